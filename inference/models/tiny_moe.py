@@ -1,0 +1,106 @@
+"""The one description of the tiny MoE architecture shared by the engine and the trainer.
+
+Both sides build from ``TinyMoEConfig`` so their layouts cannot drift: the engine
+builds a transformers Qwen3-MoE model from it, the trainer a megatron-core GPTModel.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class TinyMoEConfig:
+    """Architecture of a Qwen3-MoE-style model (RMSNorm, SwiGLU, RoPE, GQA, QK norm).
+
+    ``vocab_size`` must cover the tokenizer's ids (256 bytes plus specials).
+    """
+
+    vocab_size: int = 264
+    hidden_size: int = 64
+    num_layers: int = 4
+    num_experts: int = 8
+    top_k: int = 2
+    num_attention_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 16
+    moe_intermediate_size: int = 64
+    max_position_embeddings: int = 2048
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-6
+    # norm_topk_prob=True pairs with Megatron's moe_router_pre_softmax=False; the
+    # wrong pairing cost up to 9 in logits when this was measured.
+    norm_topk_prob: bool = True
+    tie_word_embeddings: bool = False
+    initializer_range: float = 0.02
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "num_layers", "num_experts", "top_k",
+                     "num_attention_heads", "num_kv_heads", "head_dim",
+                     "moe_intermediate_size", "max_position_embeddings"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"TinyMoEConfig.{name}: expected a positive int, got {value!r}")
+        if self.top_k > self.num_experts:
+            raise ValueError(
+                f"TinyMoEConfig.top_k: expected <= num_experts ({self.num_experts}), "
+                f"got {self.top_k}"
+            )
+        if self.num_attention_heads % self.num_kv_heads:
+            raise ValueError(
+                f"TinyMoEConfig.num_kv_heads: expected a divisor of num_attention_heads "
+                f"({self.num_attention_heads}), got {self.num_kv_heads}"
+            )
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> TinyMoEConfig:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"TinyMoEConfig: unknown keys {unknown}; expected some of {sorted(known)}")
+        return cls(**values)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_hf_config(self) -> Any:
+        from transformers import Qwen3MoeConfig
+
+        return Qwen3MoeConfig(
+            vocab_size=self.vocab_size,
+            hidden_size=self.hidden_size,
+            intermediate_size=self.moe_intermediate_size,
+            moe_intermediate_size=self.moe_intermediate_size,
+            num_hidden_layers=self.num_layers,
+            num_attention_heads=self.num_attention_heads,
+            num_key_value_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            num_experts=self.num_experts,
+            num_experts_per_tok=self.top_k,
+            norm_topk_prob=self.norm_topk_prob,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            max_position_embeddings=self.max_position_embeddings,
+            rope_theta=self.rope_theta,
+            rms_norm_eps=self.rms_norm_eps,
+            tie_word_embeddings=self.tie_word_embeddings,
+            initializer_range=self.initializer_range,
+            output_router_logits=False,
+        )
+
+
+def build_hf_model(config: TinyMoEConfig, *, seed: int, dtype: torch.dtype = torch.float32) -> Any:
+    """A randomly initialised transformers Qwen3-MoE model, reproducible from ``seed``."""
+    from transformers import Qwen3MoeForCausalLM
+
+    generator_state = torch.random.get_rng_state()
+    try:
+        torch.manual_seed(seed)
+        model = Qwen3MoeForCausalLM(config.to_hf_config())
+    finally:
+        torch.random.set_rng_state(generator_state)
+    return model.to(dtype).eval()

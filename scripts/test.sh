@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Installs the project with its test tools, then runs ruff, mypy on inference/wire
+# and the whole pytest suite. The README's second command and .ci/run both call this.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 RAY_USAGE_STATS_ENABLED=0 PYTHONUNBUFFERED=1
+PY=${PYTHON:-python3}
+# torch first and pinned: otherwise a dependency pulls a multi-GB CUDA build.
+"$PY" -m pip install -q torch==2.13.0
+"$PY" -m pip install -q -e ".[dev]"
+"$PY" -m ruff check .
+"$PY" -m ruff format --check .
+"$PY" -m mypy inference/wire
+"$PY" -m pytest -q "$@"

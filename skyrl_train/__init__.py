@@ -1,0 +1,1 @@
+"""Training side of the R3 pipeline: generator, preprocessing, trainer and workers."""
