@@ -39,9 +39,18 @@ class TinyMoEConfig:
     initializer_range: float = 0.02
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "hidden_size", "num_layers", "num_experts", "top_k",
-                     "num_attention_heads", "num_kv_heads", "head_dim",
-                     "moe_intermediate_size", "max_position_embeddings"):
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "num_layers",
+            "num_experts",
+            "top_k",
+            "num_attention_heads",
+            "num_kv_heads",
+            "head_dim",
+            "moe_intermediate_size",
+            "max_position_embeddings",
+        ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"TinyMoEConfig.{name}: expected a positive int, got {value!r}")
@@ -61,7 +70,9 @@ class TinyMoEConfig:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(values) - known)
         if unknown:
-            raise ValueError(f"TinyMoEConfig: unknown keys {unknown}; expected some of {sorted(known)}")
+            raise ValueError(
+                f"TinyMoEConfig: unknown keys {unknown}; expected some of {sorted(known)}"
+            )
         return cls(**values)
 
     def to_dict(self) -> dict[str, Any]:
