@@ -1,0 +1,25 @@
+"""Rollout generation: the gym generator, its renderer and the per-token traces.
+
+Everything here imports numpy and the gym only; the HTTP client is passed in.
+"""
+
+from skyrl_train.generators.base import GeneratorInput, GeneratorOutput
+from skyrl_train.generators.gym_generator import GymGenerator, GymGeneratorConfig
+from skyrl_train.generators.rendering import ChatTemplateRenderer, ObservationRenderer
+from skyrl_train.generators.traces import (
+    RoutedExpertTrace,
+    RouteTraceResult,
+    TokenMetadataTrace,
+)
+
+__all__ = [
+    "ChatTemplateRenderer",
+    "GeneratorInput",
+    "GeneratorOutput",
+    "GymGenerator",
+    "GymGeneratorConfig",
+    "ObservationRenderer",
+    "RouteTraceResult",
+    "RoutedExpertTrace",
+    "TokenMetadataTrace",
+]

@@ -1,0 +1,13 @@
+"""Keyword-argument checks shared by the built-in environments."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from skyrl_gym.errors import EnvError
+
+
+def check_int(env: str, name: str, value: Any, *, low: int, high: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise EnvError(f"{env}.{name}: expected an int in [{low}, {high}], got {value!r}")
+    return value

@@ -1,0 +1,337 @@
+"""The gym generator: multi-turn rollouts against inference servers, kept as tokens.
+
+Per trajectory: render the prompt once; each turn send the whole conversation with
+``routed_experts_prompt_start = trace.prompt_start``, append the sampled tokens (loss
+mask 1, their logprobs), step the environment on the decoded text, render its
+observation once and append it (loss mask 0, logprob 0.0). Stop on done, max turns or
+the response token budget. Many trajectories run at once (bounded by a semaphore);
+with several servers, trajectory i always talks to server i mod n.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+import skyrl_gym
+from skyrl_train.errors import ConfigValidationError, RouteTraceError
+from skyrl_train.generators.base import GeneratorInput, GeneratorOutput
+from skyrl_train.generators.rendering import ChatTemplateRenderer, ObservationRenderer
+from skyrl_train.generators.traces import RoutedExpertTrace
+
+STOP_DONE = "done"
+STOP_MAX_TURNS = "max_turns"
+STOP_BUDGET = "budget"
+
+
+class GenerateClient(Protocol):
+    """The part of ``inference.client.RemoteGenerateClient`` the generator uses."""
+
+    async def generate(
+        self,
+        *,
+        prompt_token_ids: Sequence[int],
+        sampling_params: Any,
+        return_routed_experts: bool = False,
+        routed_experts_prompt_start: int | None = None,
+    ) -> Any: ...
+
+
+@dataclass(frozen=True)
+class GymGeneratorConfig:
+    max_turns: int = 4
+    """Policy turns per trajectory; environments may finish sooner."""
+    max_tokens_per_turn: int = 16
+    max_response_tokens: int = 256
+    """Token budget per trajectory: generated plus observation tokens (the response)."""
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    stop_token_ids: tuple[int, ...] | None = None
+    """None: the renderer's end-of-turn token (<|im_end|> for the byte tokenizer)."""
+    return_routed_experts: bool = False
+    """R3: request, stitch and return routes. Off: nothing about routes is sent or kept."""
+    max_concurrent_trajectories: int = 64
+    seed: int = 0
+    """Request seeds derive from (seed, generate call, trajectory index, turn)."""
+    progress: bool = True
+    """A tqdm bar over finished trajectories."""
+
+    def __post_init__(self) -> None:
+        for name in (
+            "max_turns",
+            "max_tokens_per_turn",
+            "max_response_tokens",
+            "max_concurrent_trajectories",
+        ):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigValidationError(
+                    f"generator.{name}", f"expected an int >= 1, got {value!r}"
+                )
+        if self.temperature < 0:
+            raise ConfigValidationError(
+                "generator.temperature", f"expected >= 0, got {self.temperature!r}"
+            )
+
+
+@dataclass
+class _Trajectory:
+    index: int
+    prompt_ids: list[int]
+    response_ids: list[int] = field(default_factory=list)
+    loss_mask: list[int] = field(default_factory=list)
+    logprobs: list[float] | None = field(default_factory=list)
+    reward: float = 0.0
+    turns: int = 0
+    stop_reason: str = STOP_MAX_TURNS
+    length_finishes: int = 0
+    trace: RoutedExpertTrace | None = None
+    routes: np.ndarray | None = None
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt_ids + self.response_ids
+
+    def append(self, ids: Sequence[int], *, mask: int, logprobs: Sequence[float] | None) -> None:
+        self.response_ids.extend(ids)
+        self.loss_mask.extend([mask] * len(ids))
+        if self.logprobs is not None:
+            if logprobs is None:
+                self.logprobs = None  # the engine sent none: the whole output has none
+            else:
+                self.logprobs.extend(logprobs)
+
+    def truncate(self, budget: int) -> None:
+        """Cut ids, mask and logprobs to ``budget``; routes are cut in ``finalize``."""
+        del self.response_ids[budget:], self.loss_mask[budget:]
+        if self.logprobs is not None:
+            del self.logprobs[budget:]
+
+
+class GymGenerator:
+    """``async generate(GeneratorInput) -> GeneratorOutput`` over one or more servers."""
+
+    def __init__(
+        self,
+        clients: GenerateClient | Sequence[GenerateClient],
+        tokenizer: Any,
+        config: GymGeneratorConfig,
+        *,
+        renderer: ObservationRenderer | None = None,
+    ) -> None:
+        self.clients = list(clients) if isinstance(clients, Sequence) else [clients]
+        if not self.clients:
+            raise ConfigValidationError(
+                "generator.clients", "expected at least one client, got none"
+            )
+        self.tokenizer = tokenizer
+        self.config = config
+        self.renderer = renderer if renderer is not None else ChatTemplateRenderer(tokenizer)
+        stops = config.stop_token_ids
+        self._stop_ids = list(self.renderer.stop_token_ids if stops is None else stops)
+        self._calls = 0
+        """generate() calls so far: seeds differ per call, so GRPO steps that revisit a
+        prompt sample afresh, yet a rerun of the same sequence of calls is identical."""
+
+    async def generate(self, batch: GeneratorInput) -> GeneratorOutput:
+        n = len(batch.prompts)
+        self._calls += 1
+        if len(batch.env_names) != n or (batch.env_extras and len(batch.env_extras) != n):
+            raise ValueError(
+                f"GeneratorInput: expected env_names and env_extras of length {n} (prompts), "
+                f"got {len(batch.env_names)} and {len(batch.env_extras)}"
+            )
+        extras = batch.env_extras or [{} for _ in range(n)]
+        # Environments are built up front so a bad name or kwarg fails before any request.
+        envs = [
+            skyrl_gym.make(name, **kw) for name, kw in zip(batch.env_names, extras, strict=True)
+        ]
+        gate = asyncio.Semaphore(self.config.max_concurrent_trajectories)
+        bar = _progress(n, enabled=self.config.progress)
+        started = time.perf_counter()
+
+        async def one(i: int) -> _Trajectory:
+            async with gate:
+                try:
+                    return await self._rollout(i, batch.prompts[i], envs[i])
+                finally:
+                    envs[i].close()
+                    if bar is not None:
+                        bar.update(1)
+
+        tasks = [asyncio.ensure_future(one(i)) for i in range(n)]
+        try:
+            trajectories = list(await asyncio.gather(*tasks))
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            if bar is not None:
+                bar.close()
+        return self._output(trajectories, wall_s=time.perf_counter() - started)
+
+    async def _rollout(
+        self, index: int, prompt: list[dict[str, str]], env: skyrl_gym.Env
+    ) -> _Trajectory:
+        cfg = self.config
+        messages, _info = env.init(prompt)
+        traj = _Trajectory(index=index, prompt_ids=self.renderer.initial(messages))
+        if cfg.return_routed_experts:
+            traj.trace = RoutedExpertTrace(f"#{index}")
+        client = self.clients[index % len(self.clients)]
+        for turn in range(cfg.max_turns):
+            room = cfg.max_response_tokens - len(traj.response_ids)
+            if room < 1:
+                traj.stop_reason = STOP_BUDGET
+                break
+            sent = traj.tokens
+            result = await self._request(
+                client, traj, turn, sent, max_tokens=min(cfg.max_tokens_per_turn, room)
+            )
+            generated = list(result.response_ids)
+            if traj.trace is not None:
+                traj.trace.record_generation(
+                    prompt_token_count=len(sent),
+                    generated_token_count=len(generated),
+                    routed_experts=result.routed_experts,
+                )
+            traj.append(generated, mask=1, logprobs=result.logprobs)
+            traj.turns += 1
+            traj.length_finishes += result.finish_reason == "length"
+            step = env.step(self.tokenizer.decode(generated, skip_special_tokens=True))
+            traj.reward += float(step.reward)
+            if step.done:
+                traj.stop_reason = STOP_DONE
+                break
+            if turn == cfg.max_turns - 1:
+                break
+            before = traj.tokens
+            extended = self.renderer.extend(before, step.observations)
+            _check_extends(traj.index, turn + 1, before, extended)
+            traj.append(
+                extended[len(before) :], mask=0, logprobs=[0.0] * (len(extended) - len(before))
+            )
+            if len(traj.response_ids) >= cfg.max_response_tokens:
+                # No room left to generate: cut the observation, not the policy's tokens.
+                traj.truncate(cfg.max_response_tokens)
+                traj.stop_reason = STOP_BUDGET
+                break
+        if traj.trace is not None:
+            traj.routes = traj.trace.finalize(
+                token_count=len(traj.tokens), loss_mask=[0] * len(traj.prompt_ids) + traj.loss_mask
+            ).routed_experts
+        return traj
+
+    async def _request(
+        self,
+        client: GenerateClient,
+        traj: _Trajectory,
+        turn: int,
+        sent: list[int],
+        *,
+        max_tokens: int,
+    ) -> Any:
+        cfg = self.config
+        params = {
+            "max_tokens": max_tokens,
+            "temperature": cfg.temperature,
+            "top_p": cfg.top_p,
+            "top_k": cfg.top_k,
+            "seed": _request_seed(cfg.seed, self._calls, traj.index, turn),
+            "stop_token_ids": self._stop_ids,
+        }
+        trace = traj.trace
+        try:
+            result = await client.generate(
+                prompt_token_ids=sent,
+                sampling_params=params,
+                return_routed_experts=trace is not None,
+                routed_experts_prompt_start=None if trace is None else trace.prompt_start,
+            )
+        except Exception as exc:
+            exc.add_note(f"while generating trajectory #{traj.index} turn {turn}")
+            raise
+        if not result.response_ids:
+            raise RouteTraceError(
+                f"trajectory #{traj.index} turn {turn}: response_ids: expected at least one "
+                f"generated token, got none"
+            )
+        return result
+
+    def _output(self, trajs: list[_Trajectory], *, wall_s: float) -> GeneratorOutput:
+        token_rewards = []
+        for t in trajs:
+            row = [0.0] * len(t.response_ids)
+            active = [j for j, m in enumerate(t.loss_mask) if m]
+            if active:
+                row[active[-1]] = t.reward
+            token_rewards.append(row)
+        with_logprobs = all(t.logprobs is not None for t in trajs)
+        routes = [t.routes for t in trajs] if self.config.return_routed_experts else None
+        return GeneratorOutput(
+            prompt_token_ids=[t.prompt_ids for t in trajs],
+            response_ids=[t.response_ids for t in trajs],
+            loss_masks=[t.loss_mask for t in trajs],
+            rewards=[t.reward for t in trajs],
+            token_rewards=token_rewards,
+            stop_reasons=[t.stop_reason for t in trajs],
+            rollout_metrics=_metrics(trajs, wall_s=wall_s),
+            rollout_logprobs=[t.logprobs for t in trajs] if with_logprobs else None,  # type: ignore[misc]
+            routed_experts=routes,  # type: ignore[arg-type]
+        )
+
+
+def _request_seed(seed: int, call: int, index: int, turn: int) -> int:
+    return int(np.random.SeedSequence([seed, call, index, turn]).generate_state(1)[0])
+
+
+def _check_extends(index: int, turn: int, before: list[int], after: list[int]) -> None:
+    """The next prompt must start with every token so far, or routes would misalign."""
+    if after[: len(before)] == before:
+        return
+    at = next(
+        (i for i, (a, b) in enumerate(zip(before, after, strict=False)) if a != b),
+        min(len(before), len(after)),
+    )
+    got = after[at] if at < len(after) else "the end of the prompt"
+    raise RouteTraceError(
+        f"trajectory #{index} turn {turn}: prompt_token_ids[{at}]: expected {before[at]} "
+        f"(the prompt must extend the previous turn's {len(before)} tokens), got {got}"
+    )
+
+
+def _metrics(trajs: list[_Trajectory], *, wall_s: float) -> dict[str, float]:
+    n = max(1, len(trajs))
+    traces = [t.trace for t in trajs if t.trace is not None]
+    metrics = {
+        "generate/num_trajectories": float(len(trajs)),
+        "generate/mean_turns": sum(t.turns for t in trajs) / n,
+        "generate/mean_response_tokens": sum(len(t.response_ids) for t in trajs) / n,
+        "generate/mean_generated_tokens": sum(sum(t.loss_mask) for t in trajs) / n,
+        "generate/mean_reward": sum(t.reward for t in trajs) / n,
+        "generate/length_finishes": float(sum(t.length_finishes for t in trajs)),
+        "generate/wall_s": wall_s,
+    }
+    for reason in (STOP_DONE, STOP_MAX_TURNS, STOP_BUDGET):
+        metrics[f"generate/stop_{reason}"] = sum(t.stop_reason == reason for t in trajs) / n
+    if traces:
+        metrics["generate/route_bytes"] = float(sum(t.bytes_received for t in traces))
+        metrics["generate/route_rows"] = float(sum(t.rows for t in traces))
+        metrics["generate/whole_prefix_replies"] = float(
+            sum(t.whole_prefix_replies for t in traces)
+        )
+    return metrics
+
+
+def _progress(total: int, *, enabled: bool) -> Any:
+    if not enabled:
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc="rollouts", unit="traj", leave=False)

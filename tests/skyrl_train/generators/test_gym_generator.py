@@ -1,0 +1,356 @@
+"""The gym generator against a real server and the tiny fp32 model."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import numpy as np
+import pytest
+
+import skyrl_gym
+from inference.errors import GenerateProtocolError
+from skyrl_train.errors import ConfigValidationError, RouteTraceError
+from skyrl_train.generators import (
+    ChatTemplateRenderer,
+    GeneratorInput,
+    GeneratorOutput,
+    GymGenerator,
+    GymGeneratorConfig,
+)
+from tests.skyrl_train.generators.conftest import IgnoringPromptStartEngine, serving
+
+L, K = 4, 2  # TinyMoEConfig defaults
+
+
+class EchoEnv(skyrl_gym.Env):
+    """Never finishes by itself; answers every turn with the same short observation."""
+
+    name = "gen_test_echo"
+
+    def __init__(self, *, turns: int = 64) -> None:
+        super().__init__()
+        self.max_turns = turns
+
+    def _step(self, action: str, turn: int) -> skyrl_gym.StepOutput:
+        return skyrl_gym.StepOutput([{"role": "user", "content": "ok"}], 0.25, False)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _echo_env() -> Any:
+    skyrl_gym.register("gen_test_echo", EchoEnv)
+    yield
+    skyrl_gym.unregister("gen_test_echo")
+
+
+def batch(env_name: str, n: int, *, seed: int = 0, **extras: Any) -> GeneratorInput:
+    if env_name == "gen_test_echo":
+        prompts = [[{"role": "user", "content": f"echo {i}"}] for i in range(n)]
+        return GeneratorInput(prompts, [env_name] * n, [dict(extras) for _ in range(n)])
+    tasks = skyrl_gym.make_dataset(env_name, num_prompts=n, seed=seed)
+    return GeneratorInput(
+        [t.prompt for t in tasks], [t.env_name for t in tasks], [t.env_extras for t in tasks]
+    )
+
+
+def config(**overrides: Any) -> GymGeneratorConfig:
+    values: dict[str, Any] = dict(
+        max_turns=3, max_tokens_per_turn=6, return_routed_experts=True, progress=False
+    )
+    values.update(overrides)
+    return GymGeneratorConfig(**values)
+
+
+class Wrapper:
+    """A client wrapper that records calls and can rewrite requests or results."""
+
+    def __init__(
+        self, inner: Any, *, rewrite_start: Any = None, rewrite_result: Any = None
+    ) -> None:
+        self.inner = inner
+        self.calls: list[dict[str, Any]] = []
+        self.rewrite_start = rewrite_start
+        self.rewrite_result = rewrite_result
+
+    async def generate(self, **kwargs: Any) -> Any:
+        self.calls.append(kwargs)
+        if self.rewrite_start is not None:
+            kwargs = dict(kwargs, routed_experts_prompt_start=self.rewrite_start(kwargs))
+        result = await self.inner.generate(**kwargs)
+        if self.rewrite_result is not None:
+            result = self.rewrite_result(len(self.calls) - 1, kwargs, result)
+        return result
+
+
+def check_consistent(out: GeneratorOutput, n: int) -> None:
+    """Every per-token list lines up; routes cover tokens 0..N-2 (the last was never fed)."""
+    for name in (
+        "prompt_token_ids",
+        "response_ids",
+        "loss_masks",
+        "rewards",
+        "token_rewards",
+        "stop_reasons",
+    ):
+        assert len(getattr(out, name)) == n, name
+    assert out.rollout_logprobs is not None
+    for i in range(n):
+        r = len(out.response_ids[i])
+        assert (
+            len(out.loss_masks[i]) == len(out.token_rewards[i]) == len(out.rollout_logprobs[i]) == r
+        )
+        masks = np.array(out.loss_masks[i])
+        logprobs = np.array(out.rollout_logprobs[i])
+        assert (logprobs[masks == 0] == 0.0).all() and (logprobs[masks == 1] < 0).all()
+        active = np.flatnonzero(masks)
+        assert sum(out.token_rewards[i]) == pytest.approx(out.rewards[i])
+        if out.rewards[i]:
+            assert out.token_rewards[i][active[-1]] == out.rewards[i]
+
+
+def run(coro: Any) -> Any:
+    return asyncio.run(coro)
+
+
+def test_stitched_routes_equal_one_fp32_forward_of_the_final_sequence(tokenizer):
+    async def main() -> None:
+        async with serving() as client:
+            gen = GymGenerator(client, tokenizer, config(max_turns=3))
+            out = await gen.generate(batch("guess_number", 6))
+            check_consistent(out, 6)
+            assert out.rollout_metrics["generate/mean_turns"] >= 2
+            assert out.routed_experts is not None
+            for i in range(6):
+                tokens = out.prompt_token_ids[i] + out.response_ids[i]
+                ref = await client.generate(
+                    prompt_token_ids=tokens,
+                    sampling_params={"max_tokens": 1, "temperature": 0.0},
+                    return_routed_experts=True,
+                    routed_experts_prompt_start=0,
+                )
+                routes = out.routed_experts[i]
+                # One prefill over N tokens routes all N; the trace holds N-1 (the last
+                # sampled token was never fed) and must match them row for row.
+                assert ref.routed_experts.shape == (len(tokens), L, K)
+                assert routes.shape == (len(tokens) - 1, L, K)
+                np.testing.assert_array_equal(routes, ref.routed_experts[: len(tokens) - 1])
+
+    run(main())
+
+
+def test_route_bytes_grow_linearly_with_turns(tokenizer):
+    async def main() -> dict[int, list[int]]:
+        per_turn: dict[int, list[int]] = {}
+        async with serving() as client:
+            for k in (2, 4, 8):
+                sizes: list[int] = []
+
+                def measure(i: int, kwargs: Any, result: Any, sizes: list[int] = sizes) -> Any:
+                    sizes.append(result.routed_experts.nbytes)
+                    return result
+
+                wrapper = Wrapper(client, rewrite_result=measure)
+                cfg = config(
+                    max_turns=k, max_tokens_per_turn=4, stop_token_ids=(), max_response_tokens=1024
+                )
+                out = await GymGenerator(wrapper, tokenizer, cfg).generate(
+                    batch("gen_test_echo", 1)
+                )
+                tokens = len(out.prompt_token_ids[0]) + len(out.response_ids[0])
+                assert (
+                    out.rollout_metrics["generate/route_bytes"]
+                    == sum(sizes)
+                    == (tokens - 1) * L * K
+                )
+                per_turn[k] = sizes
+        return per_turn
+
+    per_turn = run(main())
+    assert [len(v) for v in per_turn.values()] == [2, 4, 8]
+    # Turn 0 carries the prompt; every later turn carries only its own new rows
+    # (observation + generated), at most (4 + 25) * L * K bytes however long the
+    # conversation already is. Quadratic growth would make turn 7 ~7x turn 1.
+    later = [b for sizes in per_turn.values() for b in sizes[1:]]
+    assert max(later) <= (4 + 25) * L * K
+    totals = {k: sum(v) for k, v in per_turn.items()}
+    assert totals[8] - totals[4] <= 2.2 * (totals[4] - totals[2])
+
+
+def test_single_turn_path_appends_no_eos_and_routes_every_loss_token(tokenizer):
+    async def main() -> None:
+        async with serving() as client:
+            # Length-cut replies: the response is exactly the sampled tokens, no EOS added.
+            out = await GymGenerator(
+                client, tokenizer, config(max_tokens_per_turn=3, stop_token_ids=())
+            ).generate(batch("single_digit_sum", 4))
+            check_consistent(out, 4)
+            for i in range(4):
+                n = len(out.prompt_token_ids[i]) + len(out.response_ids[i])
+                assert (
+                    out.loss_masks[i] == [1] * len(out.response_ids[i])
+                    and out.stop_reasons[i] == "done"
+                )
+                assert out.routed_experts[i].shape[0] == n - 1
+            # Every token a stop token: one sampled stop token per reply, loss mask 1,
+            # predicted from the last prompt token whose row is captured.
+            cfg = config(max_tokens_per_turn=3, stop_token_ids=tuple(range(264)))
+            out = await GymGenerator(client, tokenizer, cfg).generate(batch("single_digit_sum", 2))
+            for i in range(2):
+                p = len(out.prompt_token_ids[i])
+                assert len(out.response_ids[i]) == 1 and out.loss_masks[i] == [1]
+                assert out.routed_experts[i].shape[0] == p
+
+    run(main())
+
+
+def test_uint8_then_int16_routes_widen_without_changing_values(tokenizer):
+    def widen(i: int, kwargs: Any, result: Any) -> Any:
+        if kwargs["routed_experts_prompt_start"]:  # every turn after the first
+            result.routed_experts = result.routed_experts.astype(np.int16)
+        return result
+
+    async def main() -> None:
+        async with serving() as client:
+            plain = await GymGenerator(client, tokenizer, config()).generate(
+                batch("repeat_letter", 3)
+            )
+            wide = await GymGenerator(
+                Wrapper(client, rewrite_result=widen), tokenizer, config()
+            ).generate(batch("repeat_letter", 3))
+        assert plain.response_ids == wide.response_ids
+        for a, b in zip(plain.routed_experts, wide.routed_experts, strict=True):
+            assert a.dtype == np.uint8 and b.dtype == np.int16
+            np.testing.assert_array_equal(a, b)
+
+    run(main())
+
+
+def test_a_server_that_returns_the_whole_prefix(tokenizer):
+    async def main() -> None:
+        # Real server ignoring the prompt start: the client refuses the reply by its row
+        # count (a protocol error, never retried), naming trajectory and turn.
+        async with serving(IgnoringPromptStartEngine) as client:
+            gen = GymGenerator(client, tokenizer, config())
+            with pytest.raises(GenerateProtocolError, match=r"routed_experts.shape\[0\]") as info:
+                await gen.generate(batch("repeat_letter", 2))
+            assert any("turn 1" in note and "trajectory #" in note for note in info.value.__notes__)
+        # A path where the whole prefix gets through (a client asking with start 0): the
+        # trace recognises it by its row count and keeps alignment.
+        async with serving() as client:
+            plain = await GymGenerator(client, tokenizer, config()).generate(
+                batch("repeat_letter", 2)
+            )
+            sloppy = Wrapper(client, rewrite_start=lambda kwargs: 0)
+            whole = await GymGenerator(sloppy, tokenizer, config()).generate(
+                batch("repeat_letter", 2)
+            )
+        assert whole.rollout_metrics["generate/whole_prefix_replies"] == 2 * (3 - 1)
+        assert (
+            whole.rollout_metrics["generate/route_bytes"]
+            > plain.rollout_metrics["generate/route_bytes"]
+        )
+        for a, b in zip(plain.routed_experts, whole.routed_experts, strict=True):
+            np.testing.assert_array_equal(a, b)
+
+    run(main())
+
+
+class RewritingRenderer(ChatTemplateRenderer):
+    """A renderer that rewrites an earlier token, as a whitespace-stripping re-render does."""
+
+    def extend(self, token_ids: Any, observations: Any) -> list[int]:
+        ids = super().extend(token_ids, observations)
+        ids[len(token_ids) - 1] = ord(" ")
+        return ids
+
+
+def test_a_prompt_that_does_not_extend_the_previous_turn_is_refused(tokenizer):
+    async def main() -> None:
+        async with serving() as client:
+            gen = GymGenerator(client, tokenizer, config(), renderer=RewritingRenderer(tokenizer))
+            with pytest.raises(
+                RouteTraceError,
+                match=r"trajectory #0 turn 1: prompt_token_ids\[\d+\]: expected \d+ \(the prompt must extend the previous turn's \d+ tokens\), got 32",
+            ):
+                await gen.generate(batch("repeat_letter", 1))
+
+    run(main())
+
+
+def test_routes_off_requests_and_keeps_nothing_about_routes(tokenizer):
+    async def main() -> None:
+        async with serving() as client:
+            wrapper = Wrapper(client)
+            out = await GymGenerator(
+                wrapper, tokenizer, config(return_routed_experts=False)
+            ).generate(batch("guess_number", 3))
+        check_consistent(out, 3)
+        assert out.routed_experts is None
+        assert not any(k.startswith("generate/route") for k in out.rollout_metrics)
+        assert wrapper.calls and all(
+            c["return_routed_experts"] is False and c["routed_experts_prompt_start"] is None
+            for c in wrapper.calls
+        )
+
+    run(main())
+
+
+def test_token_budget_truncates_ids_masks_logprobs_and_routes_together(tokenizer):
+    async def main() -> None:
+        async with serving() as client:
+            cfg = config(
+                max_turns=4, max_tokens_per_turn=8, max_response_tokens=20, stop_token_ids=()
+            )
+            out = await GymGenerator(client, tokenizer, cfg).generate(batch("gen_test_echo", 2))
+        check_consistent(out, 2)
+        for i in range(2):
+            p = len(out.prompt_token_ids[i])
+            assert out.stop_reasons[i] == "budget" and len(out.response_ids[i]) == 20
+            assert out.loss_masks[i] == [1] * 8 + [0] * 12  # the observation is what got cut
+            assert out.routed_experts[i].shape[0] == p + 8 - 1
+            assert out.token_rewards[i][7] == out.rewards[i] == 0.25
+        assert out.rollout_metrics["generate/stop_budget"] == 1.0
+
+    run(main())
+
+
+def test_several_clients_round_robin_and_seeds_are_reproducible(tokenizer):
+    async def main() -> None:
+        async with serving() as client:
+            a, b = Wrapper(client), Wrapper(client)
+            gen = GymGenerator([a, b], tokenizer, config(max_concurrent_trajectories=2))
+            await gen.generate(batch("gen_test_echo", 4, turns=2))
+            first = await GymGenerator(client, tokenizer, config()).generate(
+                batch("guess_number", 4)
+            )
+            again = await GymGenerator(client, tokenizer, config()).generate(
+                batch("guess_number", 4)
+            )
+            gen = GymGenerator(client, tokenizer, config())
+            await gen.generate(batch("guess_number", 4))
+            second = await gen.generate(batch("guess_number", 4))
+
+        def echoed(w: Wrapper) -> set[str]:
+            return {tokenizer.decode(c["prompt_token_ids"][6:12]) for c in w.calls}
+
+        # Trajectory i talks to client i mod 2 on every turn.
+        assert len(a.calls) == len(b.calls) == 4
+        assert echoed(a) == {"echo 0", "echo 2"} and echoed(b) == {"echo 1", "echo 3"}
+        assert first.response_ids == again.response_ids  # same seed, same call number
+        assert first.response_ids != second.response_ids  # the next call samples afresh
+
+    run(main())
+
+
+def test_bad_inputs_fail_before_any_request(tokenizer):
+    with pytest.raises(
+        ConfigValidationError, match=r"generator.max_turns: expected an int >= 1, got 0"
+    ):
+        GymGeneratorConfig(max_turns=0)
+    wrapper = Wrapper(None)
+    gen = GymGenerator(wrapper, tokenizer, config())
+    with pytest.raises(skyrl_gym.EnvError, match="make.name"):
+        run(gen.generate(GeneratorInput([[{"role": "user", "content": "x"}]], ["nope"])))
+    with pytest.raises(ValueError, match="expected env_names and env_extras of length 2"):
+        run(gen.generate(GeneratorInput([[], []], ["guess_number"])))
+    assert wrapper.calls == []
