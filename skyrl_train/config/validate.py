@@ -1,0 +1,371 @@
+"""``validate_cfg``: the semantic checks run at every launch, before anything starts.
+
+Types and unknown keys were already refused by the loader; this module refuses
+combinations that would run but train wrongly or crash late. Every refusal is a
+``ConfigValidationError`` whose ``.key`` is the dotted key to change.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import skyrl_gym  # importing it registers the built-in environments
+from skyrl_train.config.schema import MegatronConfig, ModelConfig, PPOConfig, SamplingParamsConfig
+from skyrl_train.errors import ConfigValidationError
+
+# TransformerConfig fields the pipeline sets itself. Setting them in
+# transformer_config_kwargs would either fight megatron_config or break the
+# engine/trainer agreement on the architecture (the wire routes assume it).
+_MEGATRON_CONFIG_OWNED = tuple(
+    f.name for f in dataclasses.fields(MegatronConfig) if f.name != "transformer_config_kwargs"
+)
+_MODEL_OWNED = {
+    "num_layers": "num_layers",
+    "hidden_size": "hidden_size",
+    "num_attention_heads": "num_attention_heads",
+    "num_query_groups": "num_kv_heads",
+    "kv_channels": "head_dim",
+    "num_moe_experts": "num_experts",
+    "moe_router_topk": "top_k",
+    "moe_ffn_hidden_size": "moe_intermediate_size",
+    "layernorm_epsilon": "rms_norm_eps",
+}
+
+
+def validate_cfg(cfg: PPOConfig) -> None:
+    """Refuse an inconsistent or unsupported config; returns None when it is fine."""
+    _check_routing_replay(cfg)
+    _check_model(cfg.model)
+    _check_generator(cfg)
+    _check_trainer(cfg)
+    _check_megatron(cfg, cfg.trainer.policy.megatron_config, "trainer.policy.megatron_config")
+    if cfg.trainer.algorithm.use_kl_loss:
+        _check_megatron(cfg, cfg.trainer.ref.megatron_config, "trainer.ref.megatron_config")
+    _check_batch_sizes(cfg)
+    if cfg.ray.num_cpus is not None:
+        _at_least(cfg.ray.num_cpus, 1, "ray.num_cpus")
+
+
+def refuse_replay_incompatible(settings: Mapping[str, Any], *, key_prefix: str) -> None:
+    """Refuse TransformerConfig settings under which routing replay silently fails.
+
+    ``settings`` maps TransformerConfig field names to values (absent = unset). The
+    Megatron worker calls this again on the resolved TransformerConfig, since a
+    provider may fill in a value the YAML left unset.
+
+    - Interleaved pipelines (VPP): every chunk's forward is pushed onto every router's
+      FIFO but popped per chunk, so replay silently uses stale routes.
+    - ``moe_router_fusion`` and sinkhorn load balancing take a routing path that
+      never consults ``RouterReplay``; megatron does not check either.
+    """
+    vpp = settings.get("virtual_pipeline_model_parallel_size")
+    if vpp:
+        raise ConfigValidationError(
+            f"{key_prefix}.virtual_pipeline_model_parallel_size",
+            f"expected null with routing replay (interleaved pipeline chunks pop stale "
+            f"routes from the replay FIFO), got {vpp!r}",
+        )
+    if settings.get("moe_router_fusion"):
+        raise ConfigValidationError(
+            f"{key_prefix}.moe_router_fusion",
+            "expected false with routing replay (the fused router bypasses RouterReplay), got true",
+        )
+    balancing = settings.get("moe_router_load_balancing_type")
+    kinds = [balancing] if isinstance(balancing, str) else list(balancing or [])
+    if "sinkhorn" in kinds:
+        raise ConfigValidationError(
+            f"{key_prefix}.moe_router_load_balancing_type",
+            f"expected no 'sinkhorn' with routing replay (sinkhorn routing bypasses "
+            f"RouterReplay), got {balancing!r}",
+        )
+
+
+# --------------------------------------------------------------------------- sections
+
+
+def _check_routing_replay(cfg: PPOConfig) -> None:
+    returns_routes = cfg.generator.inference_engine.enable_return_routed_experts
+    roles = [("trainer.policy.megatron_config", cfg.trainer.policy.megatron_config)]
+    if cfg.trainer.algorithm.use_kl_loss:  # the ref model exists only with a KL loss
+        roles.append(("trainer.ref.megatron_config", cfg.trainer.ref.megatron_config))
+    for prefix, mc in roles:
+        if not mc.moe_enable_routing_replay:
+            continue
+        if not returns_routes:
+            raise ConfigValidationError(
+                f"{prefix}.moe_enable_routing_replay",
+                "routing replay needs the rollout's routes, but "
+                "generator.inference_engine.enable_return_routed_experts is false",
+            )
+        refuse_replay_incompatible(
+            {"virtual_pipeline_model_parallel_size": mc.virtual_pipeline_model_parallel_size},
+            key_prefix=prefix,
+        )
+        refuse_replay_incompatible(
+            mc.transformer_config_kwargs, key_prefix=f"{prefix}.transformer_config_kwargs"
+        )
+
+
+def _check_model(model: ModelConfig) -> None:
+    try:
+        model.tiny_moe()
+    except ValueError as exc:
+        # TinyMoEConfig owns these checks; its messages start "TinyMoEConfig.<field>:".
+        match = re.match(r"TinyMoEConfig\.(\w+): (.*)", str(exc), re.S)
+        key, reason = ("model." + match.group(1), match.group(2)) if match else ("model", str(exc))
+        raise ConfigValidationError(key, reason) from exc
+    _finite(model.rope_theta, "model.rope_theta", low=0.0, strict=True)
+    _finite(model.rms_norm_eps, "model.rms_norm_eps", low=0.0, strict=True)
+    _finite(model.initializer_range, "model.initializer_range", low=0.0, strict=True)
+    if model.path is not None and not Path(model.path).is_dir():
+        raise ConfigValidationError(
+            "model.path", f"expected an existing folder, got {model.path!r}"
+        )
+
+
+def _check_generator(cfg: PPOConfig) -> None:
+    gen = cfg.generator
+    _at_least(gen.n_samples_per_prompt, 1, "generator.n_samples_per_prompt")
+    if cfg.trainer.algorithm.advantage_estimator == "grpo" and gen.n_samples_per_prompt < 2:
+        raise ConfigValidationError(
+            "generator.n_samples_per_prompt",
+            f"expected >= 2 for GRPO (a group of one has no baseline, so every advantage "
+            f"is 0), got {gen.n_samples_per_prompt}",
+        )
+    _at_least(gen.max_turns, 1, "generator.max_turns")
+    _at_least(gen.max_tokens_per_turn, 1, "generator.max_tokens_per_turn")
+    _at_least(gen.max_trajectory_tokens, gen.max_tokens_per_turn, "generator.max_trajectory_tokens")
+    if gen.max_trajectory_tokens > cfg.model.max_position_embeddings:
+        raise ConfigValidationError(
+            "generator.max_trajectory_tokens",
+            f"expected <= model.max_position_embeddings ({cfg.model.max_position_embeddings}), "
+            f"got {gen.max_trajectory_tokens}",
+        )
+    _at_least(gen.max_concurrent_trajectories, 1, "generator.max_concurrent_trajectories")
+    _check_sampling(gen.sampling_params, "generator.sampling_params")
+    _check_sampling(gen.eval_sampling_params, "generator.eval_sampling_params")
+    if not gen.env.name:
+        raise ConfigValidationError("generator.env.name", "expected an environment name, got ''")
+    if gen.env.name not in skyrl_gym.registered():
+        raise ConfigValidationError(
+            "generator.env.name",
+            f"expected a registered environment {skyrl_gym.registered()}, got {gen.env.name!r}",
+        )
+    eng = gen.inference_engine
+    _at_least(eng.num_engines, 1, "generator.inference_engine.num_engines")
+    if not eng.host:
+        raise ConfigValidationError("generator.inference_engine.host", "expected a host, got ''")
+    if not 0 <= eng.port <= 65535:
+        raise ConfigValidationError(
+            "generator.inference_engine.port", f"expected 0..65535 (0 = any free), got {eng.port}"
+        )
+    _finite(eng.batch_window_ms, "generator.inference_engine.batch_window_ms", low=0.0)
+    _at_least(eng.max_batch_size, 1, "generator.inference_engine.max_batch_size")
+    _finite(
+        eng.num_cpus_per_engine,
+        "generator.inference_engine.num_cpus_per_engine",
+        low=0.0,
+        strict=True,
+    )
+
+
+def _check_sampling(sp: SamplingParamsConfig, prefix: str) -> None:
+    _finite(sp.temperature, f"{prefix}.temperature", low=0.0)
+    if not 0.0 < sp.top_p <= 1.0:
+        raise ConfigValidationError(f"{prefix}.top_p", f"expected 0 < top_p <= 1, got {sp.top_p}")
+    if sp.top_k != -1 and sp.top_k < 1:
+        raise ConfigValidationError(
+            f"{prefix}.top_k", f"expected -1 (no cut) or >= 1, got {sp.top_k}"
+        )
+
+
+def _check_trainer(cfg: PPOConfig) -> None:
+    tr = cfg.trainer
+    for name in (
+        "num_steps",
+        "train_batch_size",
+        "policy_mini_batch_size",
+        "micro_train_batch_size_per_gpu",
+        "micro_forward_batch_size_per_gpu",
+        "update_epochs_per_batch",
+        "eval_batch_size",
+    ):
+        _at_least(getattr(tr, name), 1, f"trainer.{name}")
+    _at_least(tr.eval_interval, 0, "trainer.eval_interval")
+    _at_least(tr.ckpt_interval, 0, "trainer.ckpt_interval")
+    if not tr.run_dir:
+        raise ConfigValidationError("trainer.run_dir", "expected a folder path, got ''")
+    if tr.resume_from is not None and not Path(tr.resume_from).is_dir():
+        raise ConfigValidationError(
+            "trainer.resume_from", f"expected an existing checkpoint folder, got {tr.resume_from!r}"
+        )
+    _at_least(tr.placement.num_trainers, 1, "trainer.placement.num_trainers")
+    _finite(
+        tr.placement.cpus_per_trainer, "trainer.placement.cpus_per_trainer", low=0.0, strict=True
+    )
+    _at_least(tr.weight_sync.max_threads, 1, "trainer.weight_sync.max_threads")
+
+    opt, p = tr.policy.optimizer_config, "trainer.policy.optimizer_config"
+    _finite(opt.lr, f"{p}.lr", low=0.0, strict=True)
+    _finite(opt.weight_decay, f"{p}.weight_decay", low=0.0)
+    _finite(opt.max_grad_norm, f"{p}.max_grad_norm", low=0.0, strict=True)
+    _at_least(opt.num_warmup_steps, 0, f"{p}.num_warmup_steps")
+    for i, beta in enumerate(opt.adam_betas):
+        if not 0.0 <= beta < 1.0:
+            raise ConfigValidationError(
+                f"{p}.adam_betas[{i}]", f"expected 0 <= beta < 1, got {beta}"
+            )
+
+    alg, a = tr.algorithm, "trainer.algorithm"
+    _finite(alg.advantage_eps, f"{a}.advantage_eps", low=0.0)
+    for name in ("eps_clip_low", "eps_clip_high"):
+        value = getattr(alg, name)
+        if not (math.isfinite(value) and 0.0 <= value < 1.0):
+            raise ConfigValidationError(f"{a}.{name}", f"expected 0 <= {name} < 1, got {value}")
+    if alg.clip_ratio_c is not None and not (
+        math.isfinite(alg.clip_ratio_c) and alg.clip_ratio_c > 1
+    ):
+        raise ConfigValidationError(
+            f"{a}.clip_ratio_c", f"expected null or a dual-clip bound > 1, got {alg.clip_ratio_c}"
+        )
+    _finite(alg.tis_imp_ratio_cap, f"{a}.tis_imp_ratio_cap", low=0.0, strict=True)
+    _finite(alg.kl_loss_coef, f"{a}.kl_loss_coef", low=0.0)
+
+
+def _check_megatron(cfg: PPOConfig, mc: MegatronConfig, prefix: str) -> None:
+    for name in (
+        "tensor_model_parallel_size",
+        "pipeline_model_parallel_size",
+        "expert_model_parallel_size",
+        "context_parallel_size",
+    ):
+        _at_least(getattr(mc, name), 1, f"{prefix}.{name}")
+    if mc.expert_tensor_parallel_size is not None:
+        _at_least(mc.expert_tensor_parallel_size, 1, f"{prefix}.expert_tensor_parallel_size")
+    tp, pp, cp, ep = (
+        mc.tensor_model_parallel_size,
+        mc.pipeline_model_parallel_size,
+        mc.context_parallel_size,
+        mc.expert_model_parallel_size,
+    )
+    etp = mc.expert_tensor_parallel_size or tp
+    world, model = cfg.trainer.placement.num_trainers, cfg.model
+    if world % (tp * pp * cp):
+        raise ConfigValidationError(
+            "trainer.placement.num_trainers",
+            f"expected a multiple of {prefix} tensor x pipeline x context parallel sizes "
+            f"({tp}x{pp}x{cp} = {tp * pp * cp}), got {world}",
+        )
+    if world % (etp * ep * pp):
+        raise ConfigValidationError(
+            f"{prefix}.expert_model_parallel_size",
+            f"expected expert_tensor x expert x pipeline parallel sizes ({etp}x{ep}x{pp}) to "
+            f"divide trainer.placement.num_trainers ({world}), got expert size {ep}",
+        )
+    _divides(ep, model.num_experts, f"{prefix}.expert_model_parallel_size", "model.num_experts")
+    _divides(
+        tp,
+        model.num_attention_heads,
+        f"{prefix}.tensor_model_parallel_size",
+        "model.num_attention_heads",
+    )
+    _divides(tp, model.num_kv_heads, f"{prefix}.tensor_model_parallel_size", "model.num_kv_heads")
+    _divides(pp, model.num_layers, f"{prefix}.pipeline_model_parallel_size", "model.num_layers")
+    vpp = mc.virtual_pipeline_model_parallel_size
+    if vpp is not None:
+        key = f"{prefix}.virtual_pipeline_model_parallel_size"
+        _at_least(vpp, 1, key)
+        if pp < 2:
+            raise ConfigValidationError(
+                key,
+                f"expected null unless pipeline_model_parallel_size >= 2 (it is {pp}), got {vpp}",
+            )
+        _divides(pp * vpp, model.num_layers, key, "model.num_layers")
+    _check_transformer_kwargs(mc.transformer_config_kwargs, f"{prefix}.transformer_config_kwargs")
+
+
+def _check_transformer_kwargs(kwargs: Mapping[str, Any], prefix: str) -> None:
+    owner = prefix.rsplit(".", 1)[0]
+    for name in kwargs:
+        if name in _MEGATRON_CONFIG_OWNED:
+            raise ConfigValidationError(
+                f"{prefix}.{name}",
+                f"set it as {owner}.{name}, not inside transformer_config_kwargs",
+            )
+        if name in _MODEL_OWNED:
+            raise ConfigValidationError(
+                f"{prefix}.{name}",
+                f"the architecture comes from model.{_MODEL_OWNED[name]} so the inference "
+                f"engine and the trainer agree; remove it here",
+            )
+        fields = _transformer_config_fields()  # imported only when kwargs are given
+        if fields is not None and name not in fields:
+            raise ConfigValidationError(
+                f"{prefix}.{name}", "unknown key; expected a megatron-core TransformerConfig field"
+            )
+
+
+@functools.cache
+def _transformer_config_fields() -> frozenset[str] | None:
+    try:  # megatron-core takes seconds to import; only this check needs it here
+        from megatron.core.transformer import TransformerConfig
+    except ImportError:  # pragma: no cover - megatron-core is a hard dependency
+        return None
+    return frozenset(f.name for f in dataclasses.fields(TransformerConfig))
+
+
+def _check_batch_sizes(cfg: PPOConfig) -> None:
+    tr, n = cfg.trainer, cfg.generator.n_samples_per_prompt
+    mc = tr.policy.megatron_config
+    dp = tr.placement.num_trainers // (
+        mc.tensor_model_parallel_size * mc.pipeline_model_parallel_size * mc.context_parallel_size
+    )
+    if tr.train_batch_size % tr.policy_mini_batch_size:
+        raise ConfigValidationError(
+            "trainer.policy_mini_batch_size",
+            f"expected a divisor of trainer.train_batch_size ({tr.train_batch_size}), "
+            f"got {tr.policy_mini_batch_size}",
+        )
+    mini = tr.policy_mini_batch_size * n  # trajectories per optimizer step
+    if mini % dp:
+        raise ConfigValidationError(
+            "trainer.policy_mini_batch_size",
+            f"expected policy_mini_batch_size x n_samples_per_prompt ({mini}) divisible by "
+            f"the data-parallel size ({dp}), got {tr.policy_mini_batch_size}",
+        )
+    per_rank = mini // dp
+    if per_rank % tr.micro_train_batch_size_per_gpu:
+        raise ConfigValidationError(
+            "trainer.micro_train_batch_size_per_gpu",
+            f"expected a divisor of the per-rank mini-batch ({per_rank} trajectories), "
+            f"got {tr.micro_train_batch_size_per_gpu}",
+        )
+
+
+# ---------------------------------------------------------------------------- helpers
+
+
+def _at_least(value: int, low: int, key: str) -> None:
+    if value < low:
+        raise ConfigValidationError(key, f"expected an int >= {low}, got {value}")
+
+
+def _finite(value: float, key: str, *, low: float, strict: bool = False) -> None:
+    ok = math.isfinite(value) and (value > low if strict else value >= low)
+    if not ok:
+        raise ConfigValidationError(
+            key, f"expected a finite number {'>' if strict else '>='} {low}, got {value}"
+        )
+
+
+def _divides(divisor: int, total: int, key: str, total_key: str) -> None:
+    if total % divisor:
+        raise ConfigValidationError(
+            key, f"expected a divisor of {total_key} ({total}), got {divisor}"
+        )

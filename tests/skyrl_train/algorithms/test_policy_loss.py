@@ -1,0 +1,145 @@
+"""PPO-clip loss, dual clip, TIS and the KL penalty on hand-computed tokens."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from skyrl_train.algorithms import kl_penalty, ppo_policy_loss
+
+CLIP = {"eps_clip_low": 0.2, "eps_clip_high": 0.2}
+
+
+def _case() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    # ratios 1.5, 0.5, 1.0, 1.1 against old logprobs of 0.
+    logprobs = torch.log(torch.tensor([[1.5, 0.5, 1.0, 1.1]])).requires_grad_()
+    old = torch.zeros(1, 4)
+    adv = torch.tensor([[1.0, 1.0, -1.0, -1.0]])
+    return logprobs, old, adv
+
+
+def test_clipped_surrogate_token_mean_and_gradient() -> None:
+    logprobs, old, adv = _case()
+    out = ppo_policy_loss(logprobs, old, adv, torch.ones(1, 4), **CLIP)
+    # per token: max(-1.5, -1.2) = -1.2 (clipped), max(-0.5, -0.8) = -0.5, 1.0, 1.1
+    assert out.loss.item() == pytest.approx((-1.2 - 0.5 + 1.0 + 1.1) / 4)
+    assert out.metrics["clip_fraction"] == pytest.approx(0.25)
+    assert out.metrics["dual_clip_fraction"] == 0.0
+    assert out.metrics["num_tokens"] == 4.0
+    assert out.metrics["ratio_mean"] == pytest.approx((1.5 + 0.5 + 1.0 + 1.1) / 4)
+    k3 = [r - 1 - math.log(r) for r in (1.5, 0.5, 1.0, 1.1)]
+    assert out.metrics["approx_kl"] == pytest.approx(sum(k3) / 4, rel=1e-5)
+    out.loss.backward()
+    # d/dlogp of -A * ratio is -A * ratio; the clipped token gets no gradient.
+    assert logprobs.grad.tolist()[0] == pytest.approx([0.0, -0.5 / 4, 1.0 / 4, 1.1 / 4], rel=1e-5)
+
+
+def test_loss_mask_excludes_tokens_and_denominator_overrides_count() -> None:
+    logprobs, old, adv = _case()
+    mask = torch.tensor([[1, 1, 1, 0]])
+    out = ppo_policy_loss(logprobs, old, adv, mask, **CLIP)
+    assert out.loss.item() == pytest.approx((-1.2 - 0.5 + 1.0) / 3)
+    assert out.metrics["clip_fraction"] == pytest.approx(1 / 3)
+    whole = ppo_policy_loss(logprobs, old, adv, mask.bool(), **CLIP, denominator=10.0)
+    assert whole.loss.item() == pytest.approx((-1.2 - 0.5 + 1.0) / 10)
+
+
+def test_asymmetric_clip_high() -> None:
+    logprobs, old, adv = _case()
+    out = ppo_policy_loss(logprobs, old, adv, torch.ones(1, 4), eps_clip_low=0.2, eps_clip_high=0.6)
+    assert out.loss.item() == pytest.approx((-1.5 - 0.5 + 1.0 + 1.1) / 4)
+    assert out.metrics["clip_fraction"] == 0.0
+
+
+def test_dual_clip_caps_negative_advantage_tokens() -> None:
+    logprobs = torch.log(torch.tensor([[5.0, 5.0]]))
+    adv = torch.tensor([[-1.0, 1.0]])
+    plain = ppo_policy_loss(logprobs, torch.zeros(1, 2), adv, torch.ones(1, 2), **CLIP)
+    assert plain.loss.item() == pytest.approx((5.0 - 1.2) / 2)
+    dual = ppo_policy_loss(
+        logprobs, torch.zeros(1, 2), adv, torch.ones(1, 2), **CLIP, clip_ratio_c=3.0
+    )
+    assert dual.loss.item() == pytest.approx((3.0 - 1.2) / 2)
+    assert dual.metrics["dual_clip_fraction"] == pytest.approx(0.5)
+
+
+def test_tis_weights_tokens_by_capped_detached_ratio() -> None:
+    logprobs = torch.zeros(1, 3, requires_grad=True)
+    old = torch.zeros(1, 3)
+    rollout = torch.log(torch.tensor([[0.5, 1.0, 0.8]])).requires_grad_()
+    adv = torch.ones(1, 3)
+    out = ppo_policy_loss(
+        logprobs, old, adv, torch.ones(1, 3), **CLIP,
+        rollout_logprobs=rollout, tis_imp_ratio_cap=1.5,
+    )  # fmt: skip
+    weights = [1.5, 1.0, 1.25]  # exp(0 - log 0.5) = 2 capped at 1.5
+    assert out.loss.item() == pytest.approx(-sum(weights) / 3)
+    assert out.metrics["tis_weight_mean"] == pytest.approx(sum(weights) / 3)
+    assert out.metrics["tis_clip_fraction"] == pytest.approx(1 / 3)
+    out.loss.backward()
+    assert logprobs.grad.tolist()[0] == pytest.approx([-w / 3 for w in weights])
+    assert rollout.grad is None  # the weight is detached
+
+
+def test_tis_with_missing_rollout_logprob_is_capped_not_nan() -> None:
+    out = ppo_policy_loss(
+        torch.zeros(1, 1), torch.zeros(1, 1), torch.ones(1, 1), torch.ones(1, 1), **CLIP,
+        rollout_logprobs=torch.full((1, 1), -9999.0), tis_imp_ratio_cap=2.0,
+    )  # fmt: skip
+    assert out.loss.item() == pytest.approx(-2.0)
+
+
+def test_all_masked_gives_zero_loss_and_zero_gradient() -> None:
+    logprobs, old, adv = _case()
+    out = ppo_policy_loss(logprobs, old, adv, torch.zeros(1, 4), **CLIP)
+    assert out.loss.item() == 0.0
+    assert all(math.isfinite(v) for v in out.metrics.values())
+    assert out.metrics["num_tokens"] == 0.0
+    out.loss.backward()
+    assert torch.equal(logprobs.grad, torch.zeros(1, 4))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"logprobs": torch.zeros(4)}, "logprobs"),
+        ({"old_logprobs": torch.zeros(1, 3)}, "old_logprobs"),
+        ({"advantages": torch.zeros(2, 4)}, "advantages"),
+        ({"loss_mask": torch.ones(1, 5)}, "loss_mask"),
+        ({"loss_mask": [[1, 1, 1, 1]]}, "loss_mask"),
+        ({"eps_clip_low": 1.0}, "eps_clip_low"),
+        ({"eps_clip_high": -0.1}, "eps_clip_high"),
+        ({"clip_ratio_c": 1.0}, "clip_ratio_c"),
+        ({"tis_imp_ratio_cap": 2.0}, "tis_imp_ratio_cap"),
+        ({"rollout_logprobs": torch.zeros(1, 4)}, "tis_imp_ratio_cap"),
+        ({"rollout_logprobs": torch.zeros(1, 2), "tis_imp_ratio_cap": 2.0}, "rollout_logprobs"),
+        ({"rollout_logprobs": torch.zeros(1, 4), "tis_imp_ratio_cap": 0.0}, "tis_imp_ratio_cap"),
+        ({"denominator": 0.0}, "denominator"),
+    ],
+)
+def test_bad_inputs_raise_naming_the_argument(kwargs: dict, field: str) -> None:
+    args = {
+        "logprobs": torch.zeros(1, 4),
+        "old_logprobs": torch.zeros(1, 4),
+        "advantages": torch.zeros(1, 4),
+        "loss_mask": torch.ones(1, 4),
+        **CLIP,
+    }
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=f"^{field}:"):
+        ppo_policy_loss(**args)
+
+
+def test_kl_penalty_k3() -> None:
+    logprobs = torch.log(torch.tensor([[0.5, 0.5]])).requires_grad_()
+    ref = torch.log(torch.tensor([[0.25, 0.5]]))
+    kl = kl_penalty(logprobs, ref, torch.tensor([[1, 0]]))
+    # r = ln 0.25 - ln 0.5 = -ln 2: exp(r) - 1 - r = 0.5 - 1 + ln 2
+    assert kl.item() == pytest.approx(0.5 - 1 + math.log(2), rel=1e-5)
+    kl.backward()
+    assert logprobs.grad is not None and logprobs.grad[0, 1] == 0.0
+    assert kl_penalty(logprobs, ref, torch.zeros(1, 2)).item() == 0.0
+    with pytest.raises(ValueError, match="^ref_logprobs:"):
+        kl_penalty(logprobs, torch.zeros(1, 3), torch.ones(1, 2))

@@ -1,0 +1,212 @@
+"""validate_cfg: each refusal names the key to change and says why."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from skyrl_train.config import load_config, refuse_replay_incompatible, validate_cfg
+from skyrl_train.errors import ConfigValidationError
+
+POLICY = "trainer.policy.megatron_config"
+REF = "trainer.ref.megatron_config"
+KW = "transformer_config_kwargs"
+
+
+def _refusal(overrides: list[str]) -> ConfigValidationError:
+    cfg = load_config(overrides)
+    with pytest.raises(ConfigValidationError) as info:
+        validate_cfg(cfg)
+    assert str(info.value).startswith(info.value.key + ": ")
+    return info.value
+
+
+def test_default_config_is_valid() -> None:
+    validate_cfg(load_config())
+
+
+def test_r3_off_everywhere_is_valid_even_with_vpp_and_fusion() -> None:
+    validate_cfg(
+        load_config(
+            [
+                "generator.inference_engine.enable_return_routed_experts=false",
+                f"{POLICY}.moe_enable_routing_replay=false",
+                f"+{POLICY}.{KW}.moe_router_fusion=true",
+                f"+{POLICY}.{KW}.moe_router_load_balancing_type=sinkhorn",
+            ]
+        )
+    )
+
+
+# ------------------------------------------------------------------ R3 refusals
+
+
+@pytest.mark.parametrize("vpp", [1, 2])
+def test_replay_refuses_truthy_vpp(vpp: int) -> None:
+    err = _refusal(
+        [
+            f"{POLICY}.pipeline_model_parallel_size=2",
+            "trainer.placement.num_trainers=2",
+            f"{POLICY}.virtual_pipeline_model_parallel_size={vpp}",
+        ]
+    )
+    assert err.key == f"{POLICY}.virtual_pipeline_model_parallel_size"
+    assert "routing replay" in err.reason and "stale" in err.reason
+
+
+def test_same_vpp_without_replay_is_valid() -> None:
+    validate_cfg(
+        load_config(
+            [
+                f"{POLICY}.pipeline_model_parallel_size=2",
+                "trainer.placement.num_trainers=2",
+                f"{POLICY}.virtual_pipeline_model_parallel_size=2",
+                f"{POLICY}.moe_enable_routing_replay=false",
+            ]
+        )
+    )
+
+
+def test_replay_refuses_vpp_hidden_in_transformer_kwargs() -> None:
+    err = _refusal([f"+{POLICY}.{KW}.virtual_pipeline_model_parallel_size=2"])
+    assert err.key == f"{POLICY}.{KW}.virtual_pipeline_model_parallel_size"
+    assert "routing replay" in err.reason
+
+
+def test_replay_refuses_router_fusion() -> None:
+    err = _refusal([f"+{POLICY}.{KW}.moe_router_fusion=true"])
+    assert err.key == f"{POLICY}.{KW}.moe_router_fusion"
+    assert "bypasses RouterReplay" in err.reason
+
+
+@pytest.mark.parametrize("value", ["sinkhorn", "[aux_loss,sinkhorn]"])
+def test_replay_refuses_sinkhorn(value: str) -> None:
+    err = _refusal([f"+{POLICY}.{KW}.moe_router_load_balancing_type={value}"])
+    assert err.key == f"{POLICY}.{KW}.moe_router_load_balancing_type"
+    assert "sinkhorn" in err.reason
+
+
+def test_replay_refuses_missing_routes() -> None:
+    err = _refusal(["generator.inference_engine.enable_return_routed_experts=false"])
+    assert err.key == f"{POLICY}.moe_enable_routing_replay"
+    assert "generator.inference_engine.enable_return_routed_experts" in err.reason
+
+
+def test_ref_twin_is_checked_when_the_ref_model_is_built() -> None:
+    fusion = f"+{REF}.{KW}.moe_router_fusion=true"
+    validate_cfg(load_config([fusion]))  # no KL loss: no ref model, nothing to refuse
+    err = _refusal([fusion, "trainer.algorithm.use_kl_loss=true"])
+    assert err.key == f"{REF}.{KW}.moe_router_fusion"
+    err = _refusal(
+        [
+            "trainer.algorithm.use_kl_loss=true",
+            "generator.inference_engine.enable_return_routed_experts=false",
+            f"{POLICY}.moe_enable_routing_replay=false",
+        ]
+    )
+    assert err.key == f"{REF}.moe_enable_routing_replay"
+
+
+def test_refuse_replay_incompatible_for_resolved_worker_settings() -> None:
+    refuse_replay_incompatible(
+        {"virtual_pipeline_model_parallel_size": None, "moe_router_fusion": False,
+         "moe_router_load_balancing_type": "aux_loss"},
+        key_prefix=POLICY,
+    )  # fmt: skip
+    with pytest.raises(ConfigValidationError) as info:
+        refuse_replay_incompatible({"virtual_pipeline_model_parallel_size": 4}, key_prefix=POLICY)
+    assert info.value.key == f"{POLICY}.virtual_pipeline_model_parallel_size"
+
+
+# ---------------------------------------------------------- transformer kwargs
+
+
+def test_transformer_kwargs_must_be_transformer_config_fields() -> None:
+    validate_cfg(load_config([f"+{POLICY}.{KW}.moe_aux_loss_coeff=0.01"]))
+    err = _refusal([f"+{POLICY}.{KW}.not_a_megatron_field=1"])
+    assert err.key == f"{POLICY}.{KW}.not_a_megatron_field"
+    assert "TransformerConfig" in err.reason
+
+
+@pytest.mark.parametrize(
+    ("name", "where"),
+    [
+        ("tensor_model_parallel_size", f"{POLICY}.tensor_model_parallel_size"),
+        ("num_layers", "model.num_layers"),
+        ("num_moe_experts", "model.num_experts"),
+    ],
+)
+def test_transformer_kwargs_cannot_override_owned_keys(name: str, where: str) -> None:
+    err = _refusal([f"+{POLICY}.{KW}.{name}=2"])
+    assert err.key == f"{POLICY}.{KW}.{name}"
+    assert where in err.reason
+
+
+# ------------------------------------------------- ordinary consistency checks
+
+
+@pytest.mark.parametrize(
+    ("overrides", "key", "fragment"),
+    [
+        (["trainer.policy_mini_batch_size=3"], "trainer.policy_mini_batch_size", "divisor of trainer.train_batch_size"),
+        (["trainer.micro_train_batch_size_per_gpu=5"], "trainer.micro_train_batch_size_per_gpu", "per-rank mini-batch (32"),
+        (["trainer.placement.num_trainers=2", "trainer.micro_train_batch_size_per_gpu=32"], "trainer.micro_train_batch_size_per_gpu", "(16 trajectories)"),
+        (["trainer.placement.num_trainers=3", "trainer.policy_mini_batch_size=2", "trainer.train_batch_size=2"], "trainer.policy_mini_batch_size", "data-parallel size (3)"),
+        ([f"{POLICY}.tensor_model_parallel_size=2"], "trainer.placement.num_trainers", "= 2), got 1"),
+        ([f"{POLICY}.expert_model_parallel_size=2"], f"{POLICY}.expert_model_parallel_size", "divide trainer.placement.num_trainers"),
+        (["trainer.placement.num_trainers=3", f"{POLICY}.expert_model_parallel_size=3", "trainer.train_batch_size=3", "trainer.policy_mini_batch_size=3", "trainer.micro_train_batch_size_per_gpu=1"], f"{POLICY}.expert_model_parallel_size", "model.num_experts (8)"),
+        (["trainer.placement.num_trainers=4", f"{POLICY}.tensor_model_parallel_size=4"], f"{POLICY}.tensor_model_parallel_size", "model.num_kv_heads (2)"),
+        (["trainer.placement.num_trainers=3", f"{POLICY}.pipeline_model_parallel_size=3"], f"{POLICY}.pipeline_model_parallel_size", "model.num_layers (4)"),
+        (["trainer.placement.num_trainers=0"], "trainer.placement.num_trainers", ">= 1"),
+        ([f"{POLICY}.moe_enable_routing_replay=false", f"{POLICY}.virtual_pipeline_model_parallel_size=2"], f"{POLICY}.virtual_pipeline_model_parallel_size", "pipeline_model_parallel_size >= 2"),
+        (["generator.n_samples_per_prompt=1"], "generator.n_samples_per_prompt", "no baseline"),
+        (["generator.max_trajectory_tokens=4096"], "generator.max_trajectory_tokens", "model.max_position_embeddings"),
+        (["generator.max_trajectory_tokens=4"], "generator.max_trajectory_tokens", ">= 12"),
+        (["generator.sampling_params.top_p=0"], "generator.sampling_params.top_p", "0 < top_p"),
+        (["generator.eval_sampling_params.top_k=0"], "generator.eval_sampling_params.top_k", "-1 (no cut)"),
+        (["generator.sampling_params.temperature=-1"], "generator.sampling_params.temperature", ">= 0"),
+        (["generator.inference_engine.port=70000"], "generator.inference_engine.port", "0..65535"),
+        (["generator.env.name="], "generator.env.name", "environment name"),
+        (["generator.env.name=no_such_env"], "generator.env.name", "registered environment"),
+        (["trainer.policy.optimizer_config.lr=0"], "trainer.policy.optimizer_config.lr", "> 0"),
+        (["trainer.policy.optimizer_config.adam_betas=[0.9,1.0]"], "trainer.policy.optimizer_config.adam_betas[1]", "beta < 1"),
+        (["trainer.algorithm.eps_clip_high=1.5"], "trainer.algorithm.eps_clip_high", "< 1"),
+        (["trainer.algorithm.clip_ratio_c=1.0"], "trainer.algorithm.clip_ratio_c", "> 1"),
+        (["trainer.algorithm.tis_imp_ratio_cap=0"], "trainer.algorithm.tis_imp_ratio_cap", "> 0"),
+        (["trainer.num_steps=0"], "trainer.num_steps", ">= 1"),
+        (["trainer.eval_interval=-1"], "trainer.eval_interval", ">= 0"),
+        (["model.top_k=9"], "model.top_k", "num_experts"),
+        (["model.num_kv_heads=3"], "model.num_kv_heads", "divisor"),
+        (["model.path=/nonexistent/ckpt"], "model.path", "existing folder"),
+        (["trainer.resume_from=/nonexistent/ckpt"], "trainer.resume_from", "existing checkpoint folder"),
+        (["ray.num_cpus=0"], "ray.num_cpus", ">= 1"),
+    ],
+)  # fmt: skip
+def test_consistency_refusals(overrides: list[str], key: str, fragment: str) -> None:
+    err = _refusal(overrides)
+    assert err.key == key
+    assert fragment in err.reason
+
+
+def test_parallel_layouts_that_fit_are_valid(tmp_path: Path) -> None:
+    validate_cfg(
+        load_config(
+            [
+                "trainer.placement.num_trainers=2",
+                f"{POLICY}.expert_model_parallel_size=2",  # EP=2 on 2 ranks, as measured
+                "trainer.micro_train_batch_size_per_gpu=4",
+                f"model.path={tmp_path}",
+            ]
+        )
+    )
+    validate_cfg(
+        load_config(
+            [
+                "trainer.placement.num_trainers=4",
+                f"{POLICY}.tensor_model_parallel_size=2",
+                f"{POLICY}.pipeline_model_parallel_size=2",
+                "trainer.micro_train_batch_size_per_gpu=16",
+            ]
+        )
+    )
