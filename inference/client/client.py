@@ -1,0 +1,310 @@
+"""``RemoteGenerateClient``: raw generate requests to an inference server over HTTP.
+
+Error taxonomy (DESIGN §4), decided per attempt:
+
+- connection refused/reset, server disconnect, per-attempt timeout, a truncated or
+  otherwise undecodable body with a non-4xx status (an HTML 502 from a gateway): retried
+  (``GenerateTransportError``) with backoff, then ``DeadlineExceeded`` or give up;
+- 429 and 503: retried, honouring ``Retry-After``; ``GenerateHTTPError`` if retries end;
+- any other error status with a JSON body: ``GenerateHTTPError`` carrying the server's
+  ``error.message`` and ``error.type``; an undecodable 4xx raises with its text;
+- a valid JSON body whose contract is malformed: ``GenerateProtocolError``, never retried.
+
+Plain generation parses with ``orjson.loads``; the packed splice (``load_packed_body``)
+runs only when the request asked for a packed side channel.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, is_dataclass
+from typing import Any, TypeVar
+
+import aiohttp
+import numpy as np
+import orjson
+import yarl
+
+from inference.client.replies import loads_or_retry, status_error
+from inference.client.results import (
+    GenerateRequest,
+    GenerateResult,
+    parse_choice,
+    single_choice,
+)
+from inference.client.retry import RetryPolicy, call_with_retry
+from inference.client.side_channels import as_protocol_error, decode_side_channels
+from inference.errors import (
+    GenerateProtocolError,
+    GenerateTransportError,
+    WireError,
+)
+from inference.wire import load_packed_body
+
+T = TypeVar("T")
+
+GENERATE_PATH = "/skyrl/v1/generate"
+UPDATE_WEIGHTS_PATH = "/skyrl/v1/update_weights"
+HEALTH_PATH = "/health"
+
+
+class RemoteGenerateClient:
+    """Async client of one inference server. Use as ``async with`` or call ``close()``.
+
+    ``api_key`` is sent as a bearer token; ``model`` (optional) is sent with every
+    request; ``max_connections`` caps open connections; ``seed`` seeds the jitter.
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        retry: RetryPolicy | None = None,
+        api_key: str | None = None,
+        model: str | None = None,
+        max_connections: int = 64,
+        seed: int | None = None,
+    ) -> None:
+        url = yarl.URL(base_url)
+        if url.scheme not in ("http", "https") or not url.host:
+            raise ValueError(f"base_url: expected an http(s)://host[:port] URL, got {base_url!r}")
+        if max_connections < 1:
+            raise ValueError(f"max_connections: expected an int >= 1, got {max_connections!r}")
+        self.base_url = str(url).rstrip("/")
+        self.retry = retry if retry is not None else RetryPolicy()
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._model = model
+        self._max_connections = max_connections
+        self._rng = random.Random(seed)
+        self._session: aiohttp.ClientSession | None = None
+
+    async def __aenter__(self) -> RemoteGenerateClient:
+        self._ensure_session()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        """Close the HTTP session and its connections; the client may be reopened."""
+        session, self._session = self._session, None
+        if session is not None:
+            await session.close()
+
+    def _ensure_session(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            connector = aiohttp.TCPConnector(limit=self._max_connections)
+            self._session = aiohttp.ClientSession(connector=connector, headers=self._headers)
+        return self._session
+
+    async def generate(
+        self,
+        *,
+        prompt_token_ids: Sequence[int],
+        sampling_params: Mapping[str, Any] | Any,
+        return_routed_experts: bool = False,
+        routed_experts_prompt_start: int | None = None,
+        return_sample_support: bool | int = False,
+        session_id: str | None = None,
+    ) -> GenerateResult:
+        """Generate one completion of ``prompt_token_ids``.
+
+        ``sampling_params`` is a mapping of wire keys or an engine ``SamplingParams``.
+        ``routed_experts_prompt_start`` travels inside the sampling params.
+        ``return_sample_support``: True for the server's default k, or an int k.
+        """
+        params = _sampling_dict(sampling_params)
+        if routed_experts_prompt_start is not None:
+            if "routed_experts_prompt_start" in params:
+                raise ValueError(
+                    "routed_experts_prompt_start: expected it either as an argument or in "
+                    "sampling_params, got both"
+                )
+            params["routed_experts_prompt_start"] = routed_experts_prompt_start
+        ids = (
+            prompt_token_ids.tolist()
+            if isinstance(prompt_token_ids, np.ndarray)
+            else list(prompt_token_ids)
+        )
+        payload: dict[str, Any] = {"token_ids": ids, "sampling_params": params}
+        if self._model is not None:
+            payload["model"] = self._model
+        if return_routed_experts:
+            payload["return_routed_experts"] = True
+        if return_sample_support is not False and return_sample_support != 0:
+            payload["return_sample_support"] = return_sample_support
+        if session_id is not None:
+            payload["session_id"] = session_id
+        packed = bool(return_routed_experts) or "return_sample_support" in payload
+        body = orjson.dumps(payload, option=orjson.OPT_SERIALIZE_NUMPY)
+
+        start = params.get("routed_experts_prompt_start") or 0
+        route_rows = len(ids) - start - 1 if isinstance(start, int) else None
+
+        def parse(raw: bytes) -> GenerateResult:
+            return _parse_generate_reply(
+                raw,
+                packed=packed,
+                want_routes=bool(return_routed_experts),
+                want_support="return_sample_support" in payload,
+                prompt_route_rows=route_rows,
+            )
+
+        return await self._post(GENERATE_PATH, body, parse, content_type="application/json")
+
+    async def generate_batch(
+        self, requests: Sequence[GenerateRequest], *, max_concurrency: int = 16
+    ) -> list[GenerateResult]:
+        """Run ``requests`` with at most ``max_concurrency`` in flight; results in order.
+
+        The first failure cancels the requests still pending and is raised.
+        """
+        if isinstance(max_concurrency, bool) or max_concurrency < 1:
+            raise ValueError(f"max_concurrency: expected an int >= 1, got {max_concurrency!r}")
+        gate = asyncio.Semaphore(max_concurrency)
+        failed = False
+
+        async def one(request: GenerateRequest) -> GenerateResult | None:
+            nonlocal failed
+            async with gate:
+                # A waiter woken by the failing request's release must not send: the
+                # batch is already lost and gather cancels the rest a moment later.
+                if failed:
+                    return None
+                try:
+                    return await self.generate(
+                        prompt_token_ids=request.prompt_token_ids,
+                        sampling_params=request.sampling_params,
+                        return_routed_experts=request.return_routed_experts,
+                        routed_experts_prompt_start=request.routed_experts_prompt_start,
+                        return_sample_support=request.return_sample_support,
+                        session_id=request.session_id,
+                    )
+                except BaseException:
+                    failed = True
+                    raise
+
+        tasks = [asyncio.ensure_future(one(r)) for r in requests]
+        try:
+            results = await asyncio.gather(*tasks)
+            return [r for r in results if r is not None]
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def update_weights(self, named_tensors: Mapping[str, Any]) -> int:
+        """Send named tensors (engine layout) as one safetensors body; returns the count
+        the engine loaded. Idempotent, so it is retried like generate."""
+        from safetensors.torch import save
+
+        body = save({name: t.detach().contiguous() for name, t in named_tensors.items()})
+
+        def parse(raw: bytes) -> int:
+            reply = loads_or_retry(raw, 200)
+            count = reply.get("num_loaded") if isinstance(reply, dict) else None
+            if isinstance(count, bool) or not isinstance(count, int):
+                raise GenerateProtocolError("$.num_loaded", "an int", count)
+            return count
+
+        return await self._post(
+            UPDATE_WEIGHTS_PATH, body, parse, content_type="application/octet-stream"
+        )
+
+    async def health(self) -> dict[str, Any]:
+        """The server's ``/health`` document (one attempt per retry policy step)."""
+
+        def parse(raw: bytes) -> dict[str, Any]:
+            reply = loads_or_retry(raw, 200)
+            if not isinstance(reply, dict):
+                raise GenerateProtocolError("$", "a JSON object", reply)
+            return reply
+
+        return await self._request("GET", HEALTH_PATH, None, parse, content_type=None)
+
+    async def _post(
+        self, path: str, body: bytes, parse: Callable[[bytes], T], *, content_type: str
+    ) -> T:
+        return await self._request("POST", path, body, parse, content_type=content_type)
+
+    async def _request(
+        self,
+        method: str,
+        path: str,
+        body: bytes | None,
+        parse: Callable[[bytes], T],
+        *,
+        content_type: str | None,
+    ) -> T:
+        session = self._ensure_session()
+        url = self.base_url + path
+        headers = {"Content-Type": content_type} if content_type else None
+        what = f"{method} {url}"
+
+        async def attempt(timeout_s: float) -> T:
+            timeout = aiohttp.ClientTimeout(total=timeout_s)
+            try:
+                async with session.request(
+                    method, url, data=body, headers=headers, timeout=timeout
+                ) as response:
+                    raw = await response.read()
+                    status = response.status
+                    retry_after = response.headers.get("Retry-After")
+            except asyncio.TimeoutError as exc:
+                raise GenerateTransportError(
+                    f"{what}: no complete reply within the attempt timeout of {timeout_s:.3g} s"
+                ) from exc
+            except aiohttp.ClientError as exc:
+                raise GenerateTransportError(f"{what}: {type(exc).__name__}: {exc}") from exc
+            if status >= 400:
+                raise status_error(status, raw, retry_after)
+            return parse(raw)
+
+        return await call_with_retry(attempt, self.retry, what=what, rng=self._rng)
+
+
+def _sampling_dict(sampling_params: Any) -> dict[str, Any]:
+    if is_dataclass(sampling_params) and not isinstance(sampling_params, type):
+        params = asdict(sampling_params)
+        params["stop_token_ids"] = list(params.get("stop_token_ids", ()))
+        return params
+    if isinstance(sampling_params, Mapping):
+        return dict(sampling_params)
+    raise TypeError(
+        f"sampling_params: expected a mapping or SamplingParams, got {type(sampling_params).__name__}"
+    )
+
+
+def _parse_generate_reply(
+    raw: bytes,
+    *,
+    packed: bool,
+    want_routes: bool,
+    want_support: bool,
+    prompt_route_rows: int | None,
+) -> GenerateResult:
+    """``prompt_route_rows`` = P - s - 1: route rows expected besides one per new token."""
+    if not packed:
+        choice, clamped = single_choice(loads_or_retry(raw, 200))
+        return parse_choice(choice, num_clamped_logprobs=clamped)
+    try:
+        body = load_packed_body(raw)
+    except WireError as exc:
+        # A truncated body also fails the splice; only a body that is valid JSON has a
+        # malformed packed contract (deterministic), anything else is a broken hop.
+        loads_or_retry(raw, 200)
+        raise as_protocol_error(exc) from exc
+    choice, clamped = single_choice(body)
+    result = parse_choice(choice, num_clamped_logprobs=clamped)
+    decode_side_channels(
+        choice,
+        result,
+        want_routes=want_routes,
+        want_support=want_support,
+        expected_route_rows=(
+            None if prompt_route_rows is None else prompt_route_rows + len(result.response_ids)
+        ),
+    )
+    return result

@@ -1,0 +1,74 @@
+"""Decoding the packed side channels of one choice into a ``GenerateResult``.
+
+Row counts are checked here because the client is the one that knows the prompt:
+a server that ignores ``routed_experts_prompt_start`` and returns the whole prefix
+would otherwise misalign every later turn's routes silently (DESIGN §5).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from inference.client.results import GenerateResult
+from inference.errors import GenerateProtocolError, WireError
+from inference.wire import PackedField, decode_packed_routed_experts, decode_sample_support
+
+_CHOICE = "$.choices[0]"
+
+
+def as_protocol_error(exc: WireError) -> GenerateProtocolError:
+    """The wire's error re-classed as a reply protocol error, field/expected/got kept."""
+    if isinstance(exc, GenerateProtocolError):
+        return exc
+    return GenerateProtocolError(exc.field, exc.expected, exc.got)
+
+
+def _envelope(choice: dict[str, Any], field: PackedField) -> Any:
+    payload = choice.get(field.key)
+    if not isinstance(payload, dict):
+        raise GenerateProtocolError(
+            f"{_CHOICE}.{field.key}", "an envelope object (it was requested)", payload
+        )
+    return payload
+
+
+def decode_side_channels(
+    choice: dict[str, Any],
+    result: GenerateResult,
+    *,
+    want_routes: bool,
+    want_support: bool,
+    expected_route_rows: int | None,
+) -> None:
+    """Fill ``result``'s requested side channels from ``choice`` (in place)."""
+    num_generated = len(result.response_ids)
+    try:
+        if want_routes:
+            routes = decode_packed_routed_experts(
+                _envelope(choice, PackedField.ROUTED_EXPERTS), path=f"{_CHOICE}.routed_experts"
+            )
+            if expected_route_rows is not None and routes.shape[0] != expected_route_rows:
+                raise GenerateProtocolError(
+                    f"{_CHOICE}.routed_experts.shape[0]",
+                    f"{expected_route_rows} rows (prompt - prompt_start + generated - 1)",
+                    routes.shape[0],
+                )
+            result.routed_experts = routes
+        if want_support:
+            ids, logprobs = decode_sample_support(
+                _envelope(choice, PackedField.ROLLOUT_SAMPLE_SUPPORT),
+                _envelope(choice, PackedField.ROLLOUT_SAMPLE_SUPPORT_LOGPROBS),
+                path=_CHOICE,
+            )
+            if ids.shape[0] != num_generated:
+                raise GenerateProtocolError(
+                    f"{_CHOICE}.rollout_sample_support.shape[0]",
+                    f"{num_generated} rows (one per generated token)",
+                    ids.shape[0],
+                )
+            result.sample_support_ids = ids
+            result.sample_support_logprobs = logprobs
+    except WireError as exc:
+        raise as_protocol_error(exc) from exc
+    except TypeError as exc:  # the wire's "not a mapping / not an array" class
+        raise GenerateProtocolError(_CHOICE, "well-formed envelopes", str(exc)) from exc

@@ -1,0 +1,94 @@
+"""``python -m inference.server``: serve a CPU MoE engine over HTTP until interrupted.
+
+Prints ``serving <url>`` once bound (with ``--port 0`` the OS picks the port), so a
+launcher can read the URL from the first line of stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import sys
+
+from inference.server.app import ServerConfig
+from inference.server.launch import EngineSpec
+from inference.server.runner import start_server
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[EngineSpec, ServerConfig]:
+    defaults = ServerConfig()
+    parser = argparse.ArgumentParser(prog="python -m inference.server", description=__doc__)
+    parser.add_argument("--host", default=defaults.host)
+    parser.add_argument("--port", type=int, default=defaults.port)
+    parser.add_argument(
+        "--api-key-env",
+        default=None,
+        help="name of an environment variable holding the bearer token (a key on the "
+        "command line would show in ps)",
+    )
+    parser.add_argument("--checkpoint", default=None, help="folder from save_pretrained")
+    parser.add_argument(
+        "--tiny-moe-json", default="{}", help="TinyMoEConfig overrides as JSON (random init)"
+    )
+    parser.add_argument("--model-seed", type=int, default=0)
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32", "float16"))
+    parser.add_argument("--model-name", default="tiny-moe")
+    parser.add_argument("--max-request-bytes", type=int, default=defaults.max_request_bytes)
+    parser.add_argument("--max-new-tokens", type=int, default=defaults.max_new_tokens)
+    parser.add_argument("--max-model-len", type=int, default=defaults.max_model_len)
+    args = parser.parse_args(argv)
+
+    api_key = None
+    if args.api_key_env is not None:
+        api_key = os.environ.get(args.api_key_env)
+        if not api_key:
+            parser.error(f"--api-key-env: expected a set, non-empty ${args.api_key_env}")
+    try:
+        tiny = json.loads(args.tiny_moe_json)
+    except json.JSONDecodeError as exc:
+        parser.error(f"--tiny-moe-json: expected a JSON object, got {args.tiny_moe_json!r} ({exc})")
+    if not isinstance(tiny, dict):
+        parser.error(f"--tiny-moe-json: expected a JSON object, got {args.tiny_moe_json!r}")
+    engine = EngineSpec(
+        tiny_moe=tiny,
+        checkpoint=args.checkpoint,
+        seed=args.model_seed,
+        dtype=args.dtype,
+        model_name=args.model_name,
+    )
+    server = ServerConfig(
+        host=args.host,
+        port=args.port,
+        api_key=api_key,
+        max_request_bytes=args.max_request_bytes,
+        max_new_tokens=args.max_new_tokens,
+        max_model_len=args.max_model_len,
+    )
+    return engine, server
+
+
+async def serve(engine_spec: EngineSpec, config: ServerConfig) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, stop.set)
+    server = await start_server(engine_spec.build(), config)
+    print(f"serving {server.url}", flush=True)
+    try:
+        await stop.wait()
+    finally:
+        await server.stop()
+        print("stopped", flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    engine_spec, config = parse_args(argv)
+    asyncio.run(serve(engine_spec, config))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,319 @@
+"""The aiohttp application: routes, auth, size limits and the one error shape.
+
+Routes
+------
+``POST /skyrl/v1/generate``
+    Request (JSON object; unknown keys are refused)::
+
+        {"token_ids": [int, ...],                      # the prompt, required, >= 1 id
+         "sampling_params": {"max_tokens": int, "temperature": float, "top_p": float,
+                             "top_k": int (-1 = off), "seed": int | null,
+                             "stop_token_ids": [int, ...],
+                             "routed_experts_prompt_start": int},   # only with routes
+         "return_routed_experts": bool,                # side channel: routes
+         "return_sample_support": bool | int,          # side channel: true = default k
+         "model": str | null, "session_id": str | null}
+
+    Reply::
+
+        {"model": str, "num_clamped_logprobs": int,
+         "choices": [{"index": 0, "token_ids": [...], "finish_reason": "stop" | "length",
+                      "logprobs": {"content": [{"logprob": x}, ...]},
+                      "routed_experts": envelope | null,             # [P-s+G-1, L, K]
+                      "rollout_sample_support": envelope | null,     # [G, k] int32
+                      "rollout_sample_support_logprobs": envelope | null}]}
+
+    Envelopes follow DESIGN §3. Logprobs that are missing or not finite are sent as
+    -9999.0 and counted in ``num_clamped_logprobs`` (and in ``/health``).
+``POST /inference/v1/generate``
+    The same without side channels: the two ``return_*`` keys and the prompt start are
+    refused, and the choice carries only ``token_ids``, ``finish_reason``, ``logprobs``.
+``POST /skyrl/v1/update_weights``
+    Body: a safetensors file of named tensors in the engine's layout. Reply
+    ``{"num_loaded": int}``. The engine loads them between batches.
+``GET /health``
+    ``{"status": "ok", "model", "engine": {...}, "counters": {...}}``; needs no token.
+
+Every error is ``{"error": {"message", "type", "field"?}}`` with a 4xx/5xx status; a
+request that fails validation names its field and the server keeps serving. With an
+``api_key`` every route but ``/health`` needs ``Authorization: Bearer <key>``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hmac
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from inference.engine.base import InferenceEngine
+from inference.errors import RequestValidationError
+from inference.server.render import render_generate_reply
+from inference.server.validation import RequestLimits, parse_generate_request
+
+logger = logging.getLogger(__name__)
+
+SKYRL_GENERATE = "/skyrl/v1/generate"
+PLAIN_GENERATE = "/inference/v1/generate"
+UPDATE_WEIGHTS = "/skyrl/v1/update_weights"
+HEALTH = "/health"
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Everything the server enforces; all limits are explicit and bounded."""
+
+    host: str = "127.0.0.1"
+    """Loopback by default: the server has no TLS, so exposing it is a deliberate act."""
+    port: int = 0
+    """0 lets the OS pick a free port; the bound URL is reported on start."""
+    api_key: str | None = None
+    max_request_bytes: int = 16 * 1024 * 1024
+    """Generate request bodies; at about 7 bytes per token id, 16 MiB holds prompts of
+    over 2M tokens, so only abuse hits it."""
+    max_weight_bytes: int = 4 * 1024**3
+    max_new_tokens: int = 4096
+    max_model_len: int = 2048
+    max_sample_support_k: int = 64
+    default_sample_support_k: int = 8
+    max_pending_requests: int = 4096
+    """Beyond this many generate requests in flight the server answers 503 with
+    Retry-After instead of queueing without bound."""
+    retry_after_s: int = 1
+
+    def __post_init__(self) -> None:
+        for name in (
+            "max_request_bytes",
+            "max_weight_bytes",
+            "max_new_tokens",
+            "max_model_len",
+            "max_sample_support_k",
+            "max_pending_requests",
+        ):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"ServerConfig.{name}: expected an int >= 1, got {value!r}")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"ServerConfig.port: expected an int in [0, 65535], got {self.port!r}")
+        if not 1 <= self.default_sample_support_k <= self.max_sample_support_k:
+            raise ValueError(
+                f"ServerConfig.default_sample_support_k: expected an int in "
+                f"[1, {self.max_sample_support_k}], got {self.default_sample_support_k!r}"
+            )
+        if self.retry_after_s < 0:
+            raise ValueError(
+                f"ServerConfig.retry_after_s: expected >= 0, got {self.retry_after_s!r}"
+            )
+        if self.api_key is not None and not self.api_key:
+            raise ValueError("ServerConfig.api_key: expected None or a non-empty token, got ''")
+
+
+@dataclass
+class ServerCounters:
+    requests: int = 0
+    rejected: int = 0
+    """Requests answered with a 4xx."""
+    failed: int = 0
+    """Requests answered with a 5xx."""
+    clamped_logprobs: int = 0
+    weight_updates: int = 0
+    in_flight: int = 0
+    """Generate requests accepted and not yet answered."""
+
+
+_ENGINE = web.AppKey("engine", InferenceEngine)
+_CONFIG = web.AppKey("config", ServerConfig)
+_LIMITS = web.AppKey("limits", RequestLimits)
+_COUNTERS = web.AppKey("counters", ServerCounters)
+
+
+def build_app(engine: InferenceEngine, config: ServerConfig) -> web.Application:
+    """The application serving ``engine``; the engine is closed on app cleanup."""
+    info = engine.info
+    limits = RequestLimits(
+        model_name=info.model_name,
+        vocab_size=info.vocab_size,
+        max_model_len=config.max_model_len,
+        max_new_tokens=config.max_new_tokens,
+        max_sample_support_k=config.max_sample_support_k,
+        default_sample_support_k=config.default_sample_support_k,
+    )
+    counters = ServerCounters()
+    app = web.Application(
+        middlewares=[_error_middleware(counters), _auth_middleware(config.api_key)],
+        client_max_size=max(config.max_request_bytes, config.max_weight_bytes),
+    )
+    app[_ENGINE] = engine
+    app[_CONFIG] = config
+    app[_LIMITS] = limits
+    app[_COUNTERS] = counters
+    app.router.add_post(SKYRL_GENERATE, _generate_handler(allow_side_channels=True))
+    app.router.add_post(PLAIN_GENERATE, _generate_handler(allow_side_channels=False))
+    app.router.add_post(UPDATE_WEIGHTS, _update_weights)
+    app.router.add_get(HEALTH, _health)
+    app.on_cleanup.append(_close_engine)
+    return app
+
+
+async def _close_engine(app: web.Application) -> None:
+    await app[_ENGINE].close()
+
+
+class Overloaded(Exception):
+    """``max_pending_requests`` generate requests are in flight; answered with 503."""
+
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def error_response(
+    status: int, message: str, error_type: str, *, field: str | None = None
+) -> web.Response:
+    error: dict[str, Any] = {"message": message, "type": error_type}
+    if field is not None:
+        error["field"] = field
+    return web.Response(
+        status=status, body=orjson.dumps({"error": error}), content_type="application/json"
+    )
+
+
+def _error_middleware(counters: ServerCounters) -> Any:
+    @web.middleware
+    async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+        counters.requests += 1
+        try:
+            return await handler(request)
+        except RequestValidationError as exc:
+            counters.rejected += 1
+            return error_response(exc.status, str(exc), type(exc).__name__, field=exc.field)
+        except Overloaded as exc:
+            counters.failed += 1
+            response = error_response(503, f"server overloaded: {exc}", "Overloaded")
+            response.headers["Retry-After"] = str(request.app[_CONFIG].retry_after_s)
+            return response
+        except web.HTTPException as exc:  # aiohttp's own 404 / 405 / 413
+            if exc.status < 400:
+                raise
+            counters.rejected += exc.status < 500
+            return error_response(exc.status, exc.text or exc.reason, type(exc).__name__)
+        except Exception as exc:
+            counters.failed += 1
+            logger.exception("%s %s failed", request.method, request.path)
+            return error_response(500, f"{type(exc).__name__}: {exc}", "InternalServerError")
+
+    return middleware
+
+
+def _auth_middleware(api_key: str | None) -> Any:
+    expected = f"Bearer {api_key}".encode() if api_key else None
+
+    @web.middleware
+    async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if expected is not None and request.path != HEALTH:
+            given = request.headers.get("Authorization", "").encode()
+            if not hmac.compare_digest(given, expected):
+                raise RequestValidationError(
+                    "Authorization",
+                    "the header 'Bearer <api key>'",
+                    "a missing or wrong token",
+                    status=401,
+                )
+        return await handler(request)
+
+    return middleware
+
+
+async def read_limited(request: web.Request, limit: int) -> bytes:
+    """The body, refusing with 413 as soon as it exceeds ``limit`` bytes."""
+    declared = request.content_length
+    if declared is not None and declared > limit:
+        raise RequestValidationError(
+            "body", f"at most {limit} bytes", f"{declared} bytes", status=413
+        )
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.content.iter_chunked(1 << 16):
+        size += len(chunk)
+        if size > limit:
+            raise RequestValidationError(
+                "body", f"at most {limit} bytes", f"more than {limit} bytes", status=413
+            )
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _generate_handler(*, allow_side_channels: bool) -> Handler:
+    async def handler(request: web.Request) -> web.Response:
+        app = request.app
+        raw = await read_limited(request, app[_CONFIG].max_request_bytes)
+        try:
+            body = orjson.loads(raw)
+        except orjson.JSONDecodeError as exc:
+            raise RequestValidationError("body", "a JSON document", str(exc)) from None
+        engine_request = parse_generate_request(
+            body, app[_LIMITS], allow_side_channels=allow_side_channels
+        )
+        # Each request goes to the engine on its own: the engine batches concurrent
+        # callers itself (the CPU engine within a 5 ms window, vLLM continuously).
+        counters = app[_COUNTERS]
+        if counters.in_flight >= app[_CONFIG].max_pending_requests:
+            raise Overloaded(f"{counters.in_flight} generate requests are in flight")
+        counters.in_flight += 1
+        try:
+            (output,) = await app[_ENGINE].generate([engine_request])
+        finally:
+            counters.in_flight -= 1
+        reply, clamped = render_generate_reply(
+            output,
+            engine_request,
+            model=app[_LIMITS].model_name,
+            side_channels=allow_side_channels,
+        )
+        app[_COUNTERS].clamped_logprobs += clamped
+        return web.Response(body=reply, content_type="application/json")
+
+    return handler
+
+
+async def _update_weights(request: web.Request) -> web.Response:
+    from safetensors import SafetensorError
+    from safetensors.torch import load
+
+    app = request.app
+    raw = await read_limited(request, app[_CONFIG].max_weight_bytes)
+    try:
+        tensors = load(raw)
+    except (SafetensorError, ValueError) as exc:
+        raise RequestValidationError(
+            "body", "a safetensors file of named tensors", str(exc)
+        ) from None
+    if not tensors:
+        raise RequestValidationError("body", "at least one tensor", "an empty safetensors file")
+    try:
+        # In a thread: the engine loads between batches (its own model lock), and the
+        # event loop must keep answering while a batch finishes.
+        count = await asyncio.to_thread(app[_ENGINE].load_weights, list(tensors.items()))
+    except (KeyError, ValueError) as exc:
+        # The engine's message names the tensor (unknown name, shape); quoted whole,
+        # since a truncated "got" would cut off exactly that name.
+        app[_COUNTERS].rejected += 1
+        return error_response(400, f"body: {exc}", "WeightUpdateError")
+    app[_COUNTERS].weight_updates += 1
+    return web.Response(body=orjson.dumps({"num_loaded": count}), content_type="application/json")
+
+
+async def _health(request: web.Request) -> web.Response:
+    app = request.app
+    document = {
+        "status": "ok",
+        "model": app[_LIMITS].model_name,
+        "engine": dataclasses.asdict(app[_ENGINE].info),
+        "counters": dataclasses.asdict(app[_COUNTERS]),
+    }
+    return web.Response(body=orjson.dumps(document), content_type="application/json")

@@ -1,0 +1,53 @@
+"""What engine a server process builds: a small picklable record, built where it runs.
+
+The Ray actor and ``python -m inference.server`` both take an ``EngineSpec`` rather
+than an engine, so the model is built inside the serving process (a model does not
+cross a process boundary cheaply, and its worker thread cannot at all).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from inference.engine.base import InferenceEngine
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """A CPU MoE engine: random init from ``tiny_moe`` (a ``TinyMoEConfig`` dict) with
+    ``seed``, or a ``checkpoint`` folder written by ``HFMoEEngine.save_pretrained``."""
+
+    tiny_moe: dict[str, Any] = field(default_factory=dict)
+    checkpoint: str | None = None
+    seed: int = 0
+    dtype: str = "bfloat16"
+    """Inference engines run in bf16; "float32" gives exact comparisons in tests."""
+    model_name: str = "tiny-moe"
+    max_batch_size: int = 64
+    batch_window_s: float = 0.005
+
+    def __post_init__(self) -> None:
+        if self.checkpoint is not None and self.tiny_moe:
+            raise ValueError(
+                "EngineSpec.tiny_moe: expected {} with a checkpoint (the checkpoint has its "
+                f"own config), got {self.tiny_moe!r}"
+            )
+
+    def build(self) -> InferenceEngine:
+        from inference.engine.hf_engine import HFMoEEngine
+        from inference.models.tiny_moe import TinyMoEConfig
+
+        options: dict[str, Any] = {
+            "model_name": self.model_name,
+            "max_batch_size": self.max_batch_size,
+            "batch_window_s": self.batch_window_s,
+        }
+        if self.checkpoint is not None:
+            return HFMoEEngine.from_pretrained(self.checkpoint, dtype=self.dtype, **options)
+        config = TinyMoEConfig.from_dict(self.tiny_moe)
+        return HFMoEEngine.from_config(config, seed=self.seed, dtype=self.dtype, **options)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)

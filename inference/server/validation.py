@@ -1,0 +1,171 @@
+"""Checks every field of a generate request before it reaches the engine.
+
+Each failure is a ``RequestValidationError`` naming the JSON path, what was expected
+and what came (``$.sampling_params.top_p: expected a number in (0, 1], got 1.5``);
+the server answers it with a 4xx and keeps serving. Unknown keys are refused rather
+than ignored: a misspelt ``max_token`` silently generating 64 tokens is worse.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from inference.engine.base import EngineRequest, SamplingParams
+from inference.errors import RequestValidationError
+
+SIDE_CHANNEL_KEYS = ("return_routed_experts", "return_sample_support")
+_TOP_LEVEL_KEYS = ("token_ids", "sampling_params", "model", "session_id", *SIDE_CHANNEL_KEYS)
+_SAMPLING_KEYS = (
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "stop_token_ids",
+    "routed_experts_prompt_start",
+)
+_MAX_SEED = 2**63 - 1
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """What this server accepts; built from the engine's info and the server config."""
+
+    model_name: str
+    vocab_size: int
+    max_model_len: int
+    """Prompt plus generated tokens may not exceed this (the model's positions)."""
+    max_new_tokens: int
+    max_sample_support_k: int
+    default_sample_support_k: int
+
+
+def parse_generate_request(
+    body: Any, limits: RequestLimits, *, allow_side_channels: bool
+) -> EngineRequest:
+    """The engine request for a decoded JSON ``body``, or ``RequestValidationError``."""
+    if not isinstance(body, dict):
+        raise RequestValidationError("$", "a JSON object", type(body).__name__)
+    allowed = _TOP_LEVEL_KEYS if allow_side_channels else _TOP_LEVEL_KEYS[:4]
+    for key in body:
+        if key not in allowed:
+            hint = (
+                " (side channels are served on /skyrl/v1/generate)"
+                if key in SIDE_CHANNEL_KEYS
+                else ""
+            )
+            raise RequestValidationError(f"$.{key}", f"one of the keys {list(allowed)}{hint}", key)
+    model = body.get("model")
+    if model is not None and model != limits.model_name:
+        raise RequestValidationError("$.model", f"null or {limits.model_name!r}", model)
+    session_id = body.get("session_id")
+    if session_id is not None and not isinstance(session_id, str):
+        raise RequestValidationError("$.session_id", "null or a string", session_id)
+
+    prompt = _token_list(body.get("token_ids"), "$.token_ids", limits.vocab_size, min_len=1)
+    params = body.get("sampling_params", {})
+    if not isinstance(params, dict):
+        raise RequestValidationError("$.sampling_params", "a JSON object", params)
+    for key in params:
+        if key not in _SAMPLING_KEYS:
+            raise RequestValidationError(
+                f"$.sampling_params.{key}", f"one of the keys {list(_SAMPLING_KEYS)}", key
+            )
+    sampling = _sampling(params, limits, prompt_len=len(prompt))
+
+    return_routes = body.get("return_routed_experts", False)
+    if not isinstance(return_routes, bool):
+        raise RequestValidationError("$.return_routed_experts", "true or false", return_routes)
+    start = params.get("routed_experts_prompt_start")
+    if start is not None:
+        if not return_routes:
+            raise RequestValidationError(
+                "$.sampling_params.routed_experts_prompt_start",
+                "absent unless return_routed_experts is true",
+                start,
+            )
+        start = _int(start, "$.sampling_params.routed_experts_prompt_start", 0, len(prompt))
+    return EngineRequest(
+        prompt_token_ids=prompt,
+        sampling=sampling,
+        return_routed_experts=return_routes,
+        routed_experts_prompt_start=start or 0,
+        sample_support_k=_sample_support_k(body.get("return_sample_support", False), limits),
+    )
+
+
+def _sampling(params: dict[str, Any], limits: RequestLimits, *, prompt_len: int) -> SamplingParams:
+    path = "$.sampling_params"
+    room = min(limits.max_new_tokens, limits.max_model_len - prompt_len)
+    if room < 1:
+        raise RequestValidationError(
+            "$.token_ids",
+            f"at most {limits.max_model_len - 1} tokens (max_model_len {limits.max_model_len})",
+            f"{prompt_len} tokens",
+        )
+    defaults = SamplingParams()
+    max_tokens = _int(
+        params.get("max_tokens", min(defaults.max_tokens, room)), f"{path}.max_tokens", 1, room
+    )
+    temperature = _number(params.get("temperature", defaults.temperature), f"{path}.temperature")
+    if temperature < 0:
+        raise RequestValidationError(f"{path}.temperature", "a finite number >= 0", temperature)
+    top_p = _number(params.get("top_p", defaults.top_p), f"{path}.top_p")
+    if not 0 < top_p <= 1:
+        raise RequestValidationError(f"{path}.top_p", "a number in (0, 1]", top_p)
+    top_k = _int(params.get("top_k", defaults.top_k), f"{path}.top_k", -1, limits.vocab_size)
+    if top_k == 0:
+        raise RequestValidationError(f"{path}.top_k", "-1 (off) or an int >= 1", top_k)
+    seed = params.get("seed")
+    if seed is not None:
+        seed = _int(seed, f"{path}.seed", 0, _MAX_SEED)
+    stop = _token_list(
+        params.get("stop_token_ids", []), f"{path}.stop_token_ids", limits.vocab_size
+    )
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=float(temperature),
+        top_p=float(top_p),
+        top_k=top_k,
+        seed=seed,
+        stop_token_ids=tuple(stop),
+    )
+
+
+def _sample_support_k(value: Any, limits: RequestLimits) -> int:
+    path = "$.return_sample_support"
+    if value is False:
+        return 0
+    if value is True:
+        return limits.default_sample_support_k
+    expected = f"false, true or an int k in [0, {limits.max_sample_support_k}]"
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise RequestValidationError(path, expected, value)
+    if not 0 <= value <= limits.max_sample_support_k:
+        raise RequestValidationError(path, expected, value)
+    return value
+
+
+def _token_list(value: Any, path: str, vocab_size: int, *, min_len: int = 0) -> list[int]:
+    if not isinstance(value, list):
+        raise RequestValidationError(path, "a list of token ids", value)
+    if len(value) < min_len:
+        raise RequestValidationError(path, f"at least {min_len} token id(s)", value)
+    for i, token in enumerate(value):
+        if type(token) is not int or not 0 <= token < vocab_size:
+            raise RequestValidationError(f"{path}[{i}]", f"an int in [0, {vocab_size})", token)
+    return value
+
+
+def _int(value: Any, path: str, low: int, high: int) -> int:
+    if type(value) is not int or not low <= value <= high:
+        raise RequestValidationError(path, f"an int in [{low}, {high}]", value)
+    return value
+
+
+def _number(value: Any, path: str) -> float:
+    if type(value) not in (int, float) or not math.isfinite(value):
+        raise RequestValidationError(path, "a finite number", value)
+    return float(value)

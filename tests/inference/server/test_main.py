@@ -1,0 +1,91 @@
+"""``python -m inference.server`` binds, prints its URL, serves, and exits on SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from inference.client import RemoteGenerateClient
+from inference.server import EngineSpec
+from inference.server.__main__ import parse_args
+
+REPO = Path(__file__).resolve().parents[3]
+
+
+def test_cli_prints_url_serves_and_stops_on_sigterm() -> None:
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": str(REPO),
+        "R3_TEST_KEY": "cli-token",
+    }
+    process = subprocess.Popen(
+        [
+            sys.executable, "-m", "inference.server",
+            "--host", "127.0.0.1", "--port", "0", "--model-seed", "0",
+            "--api-key-env", "R3_TEST_KEY", "--tiny-moe-json", '{"num_layers": 2}',
+        ],
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert process.stdout is not None
+        first = process.stdout.readline().strip()
+        assert first.startswith("serving http://127.0.0.1:"), (
+            process.stderr.read() if process.stderr else first
+        )
+        url = first.removeprefix("serving ")
+
+        async def main():
+            async with RemoteGenerateClient(url, api_key="cli-token") as client:
+                return await client.generate(
+                    prompt_token_ids=[10, 20, 30],
+                    sampling_params={"max_tokens": 2, "temperature": 0.0},
+                    return_routed_experts=True,
+                )
+
+        result = asyncio.run(main())
+        assert result.routed_experts.shape[1] == 2  # --tiny-moe-json reached the engine
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=30) == 0
+        assert process.stdout.readline().strip() == "stopped"
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(timeout=10)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--tiny-moe-json", "[1]"], "--tiny-moe-json: expected a JSON object"),
+        (["--tiny-moe-json", "{oops"], "--tiny-moe-json: expected a JSON object"),
+        (["--api-key-env", "R3_SURELY_UNSET_VAR"], "--api-key-env: expected a set"),
+    ],
+)
+def test_cli_refuses_bad_arguments(
+    args: list[str],
+    message: str,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("R3_SURELY_UNSET_VAR", raising=False)
+    with pytest.raises(SystemExit) as info:
+        parse_args(args)
+    assert info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_cli_arguments_map_to_the_configs(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("R3_TEST_KEY", "k")
+    engine, server = parse_args(
+        ["--port", "0", "--model-seed", "3", "--dtype", "float32", "--api-key-env", "R3_TEST_KEY",
+         "--tiny-moe-json", '{"num_experts": 4}', "--max-new-tokens", "16"]
+    )  # fmt: skip
+    assert engine == EngineSpec(tiny_moe={"num_experts": 4}, seed=3, dtype="float32")
+    assert server.host == "127.0.0.1" and server.port == 0 and server.api_key == "k"
+    assert server.max_new_tokens == 16
