@@ -1,0 +1,77 @@
+"""The one place where megatron-core is taught to run without CUDA.
+
+megatron-core 0.16.1 builds and trains a tiny MoE ``GPTModel`` on CPU (gloo, world
+size 1 and 2 with EP=2) once four CUDA assumptions are redirected:
+
+- ``torch.cuda.current_device()`` is used as a ``device=`` argument for buffers
+  (router token counters, for example); on CPU it must name ``"cpu"``.
+- The RNG tracker (``model_parallel_cuda_manual_seed``, ``get_cuda_rng_tracker().fork``)
+  saves and restores the CUDA generator; here the CPU generator stands in for it.
+- ``tensor_parallel.random._get/_set_cuda_rng_state`` go through ``torch.cuda``
+  lazy-init internals; they are mapped to the CPU generator as well.
+- ``moe_utils.te_general_gemm`` is only defined when Transformer Engine imports, yet
+  the router's gating function reads it unconditionally (a NameError otherwise).
+
+``apply_cpu_compat()`` is a no-op when CUDA is available and idempotent otherwise.
+Megatron's pipeline schedules and distributed optimizer hard-code CUDA as well; the
+worker uses its own microbatch loop and ``torch.optim`` on CPU rather than patching them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+_APPLIED = False
+
+
+def _cpu_get_rng_state(*_args: Any, **_kwargs: Any) -> torch.Tensor:
+    return torch.random.get_rng_state()
+
+
+def _cpu_set_rng_state(new_state: torch.Tensor, *_args: Any, **_kwargs: Any) -> None:
+    torch.random.set_rng_state(new_state)
+
+
+def _cpu_manual_seed(seed: int) -> None:
+    # Not torch.manual_seed: that calls torch.cuda.manual_seed_all, which must stay
+    # the stock lazy no-op (patching it too recursed).
+    torch.default_generator.manual_seed(int(seed))
+
+
+def _cpu_current_device() -> str:
+    return "cpu"
+
+
+def cpu_compat_needed() -> bool:
+    """True when the shim applies: no usable CUDA device in this process."""
+    return not torch.cuda.is_available()
+
+
+def apply_cpu_compat() -> bool:
+    """Patch torch.cuda / megatron for CPU; returns True when the shim is (now) active."""
+    global _APPLIED
+    if not cpu_compat_needed():
+        return False
+    if _APPLIED:
+        return True
+    from megatron.core.tensor_parallel import random as tp_random
+    from megatron.core.transformer.moe import moe_utils
+
+    torch.cuda.current_device = _cpu_current_device  # type: ignore[assignment]
+    torch.cuda.get_rng_state = _cpu_get_rng_state  # type: ignore[assignment]
+    torch.cuda.set_rng_state = _cpu_set_rng_state  # type: ignore[assignment]
+    torch.cuda.manual_seed = _cpu_manual_seed  # type: ignore[assignment]
+    torch.cuda.random.get_rng_state = _cpu_get_rng_state  # type: ignore[assignment]
+    torch.cuda.random.set_rng_state = _cpu_set_rng_state  # type: ignore[assignment]
+    tp_random._get_cuda_rng_state = _cpu_get_rng_state
+    tp_random._set_cuda_rng_state = _cpu_set_rng_state
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+    _APPLIED = True
+    return True
+
+
+def cpu_compat_applied() -> bool:
+    return _APPLIED

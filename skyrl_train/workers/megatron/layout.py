@@ -1,0 +1,129 @@
+"""Re-lay a TrainingBatch out for Megatron and map results back.
+
+Megatron's GPTModel ignores ``position_ids`` for RoPE (always 0..S-1), so a
+left-padded prompt would put every real token at the wrong rotary position. Each row
+is shifted left by its prompt padding so it is contiguous from position 0 (right
+padded), and its routes move with it. Response token j of row b then sits at position
+``prompt_len[b] + j``; its logprob comes from the logits one position earlier.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from skyrl_train.dataset.batch import TrainingBatch
+
+
+@dataclass(frozen=True)
+class ContiguousBatch:
+    tokens: torch.Tensor
+    """[B, S] int64, row b's real tokens at 0..length[b]-1, pad token after."""
+    shifts: torch.Tensor
+    """[B] int64 left-padding removed from each row."""
+    prompt_lens: torch.Tensor
+    """[B] int64 real prompt tokens per row (>= 1)."""
+    padding_mask: torch.Tensor
+    """[B, S] bool, True on rows the routers treat as padding (Megatron's convention:
+    True = padding), i.e. the moved ``router_padding_mask`` plus the right-hand filler."""
+    routes: torch.Tensor | None
+    """[B, S, L, K] moved with the tokens; filler rows hold arange(K). None without routes."""
+
+
+def shift_rows(
+    x: torch.Tensor, shifts: torch.Tensor, fill: torch.Tensor | float | int
+) -> torch.Tensor:
+    """out[b, s] = x[b, s + shifts[b]], ``fill`` where that index leaves [0, S).
+
+    A positive shift moves a row left (batch -> contiguous), a negative one back.
+    """
+    batch, seq = x.shape[:2]
+    source = torch.arange(seq)[None, :] + shifts[:, None]
+    inside = (source >= 0) & (source < seq)
+    index = source.clamp(0, seq - 1)
+    index = index.reshape(batch, seq, *([1] * (x.dim() - 2))).expand_as(x)
+    moved = x.gather(1, index)
+    fill_t = torch.as_tensor(fill, dtype=x.dtype).expand_as(moved)
+    keep = inside.reshape(batch, seq, *([1] * (x.dim() - 2))).expand_as(x)
+    return torch.where(keep, moved, fill_t)
+
+
+def make_contiguous(batch: TrainingBatch, *, pad_token_id: int = 0) -> ContiguousBatch:
+    seq = batch.sequences.shape[1]
+    prompt_width = seq - batch.num_actions
+    prompt_mask = batch.attention_mask[:, :prompt_width].to(torch.bool)
+    shifts = (~prompt_mask).sum(dim=1).to(torch.int64)
+    prompt_lens = prompt_width - shifts
+    # Left padding must be one block: anything else would need a per-token gather.
+    expected = torch.arange(prompt_width)[None, :] >= shifts[:, None]
+    if not torch.equal(prompt_mask, expected):
+        row = int((prompt_mask != expected).any(dim=1).nonzero()[0])
+        raise ValueError(
+            f"attention_mask[{row}, :{prompt_width}]: expected left padding then prompt "
+            f"tokens, got {batch.attention_mask[row, :prompt_width].tolist()}"
+        )
+    if (prompt_lens < 1).any():
+        row = int((prompt_lens < 1).nonzero()[0])
+        raise ValueError(f"sequences[{row}]: expected at least one prompt token, got none")
+    real = shift_rows(batch.attention_mask.to(torch.bool), shifts, False)
+    tokens = shift_rows(batch.sequences.to(torch.int64), shifts, pad_token_id)
+    tokens = tokens.masked_fill(~real, pad_token_id)
+    padding = ~real
+    routes = None
+    if batch.routed_experts is not None:
+        top_k = batch.routed_experts.shape[-1]
+        filler = torch.arange(top_k, dtype=batch.routed_experts.dtype)
+        routes = shift_rows(batch.routed_experts, shifts, filler)
+        if batch.router_padding_mask is not None:
+            padding = padding | shift_rows(batch.router_padding_mask.to(torch.bool), shifts, True)
+    return ContiguousBatch(
+        tokens=tokens, shifts=shifts, prompt_lens=prompt_lens, padding_mask=padding, routes=routes
+    )
+
+
+def response_logprobs(
+    logits: torch.Tensor, layout: ContiguousBatch, response_mask: torch.Tensor
+) -> torch.Tensor:
+    """[B, R] fp32 logprob of each response token (0 where ``response_mask`` is 0)."""
+    num_actions = response_mask.shape[1]
+    seq = layout.tokens.shape[1]
+    target_pos = (layout.prompt_lens[:, None] + torch.arange(num_actions)[None, :]).clamp(
+        max=seq - 1
+    )
+    source_pos = target_pos - 1
+    picked = logits.gather(
+        1, source_pos[:, :, None].expand(-1, -1, logits.shape[-1]).to(logits.device)
+    ).float()
+    targets = layout.tokens.gather(1, target_pos).to(logits.device)
+    logprobs = torch.log_softmax(picked, dim=-1).gather(2, targets[:, :, None]).squeeze(2)
+    return logprobs * response_mask.to(logprobs.device, logprobs.dtype)
+
+
+def slice_batch(batch: TrainingBatch, start: int, stop: int) -> TrainingBatch:
+    """Rows ``[start, stop)`` of every per-row tensor (routes included)."""
+    values = {}
+    for f in dataclasses.fields(batch):
+        value = getattr(batch, f.name)
+        values[f.name] = value[start:stop] if isinstance(value, torch.Tensor) else value
+    return TrainingBatch(**values)
+
+
+def shard_for_data_parallel_rank(
+    batch: TrainingBatch, *, rank: int, world_size: int
+) -> TrainingBatch:
+    """This data-parallel rank's contiguous block of rows, routes included.
+
+    The driver sends each rank only its own shard: broadcasting every route to every
+    rank is what ran other frameworks' hosts out of memory.
+    """
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank: expected in [0, {world_size}), got {rank}")
+    if batch.batch_size % world_size:
+        raise ValueError(
+            f"batch_size: expected a multiple of the data-parallel size {world_size}, "
+            f"got {batch.batch_size}"
+        )
+    per_rank = batch.batch_size // world_size
+    return slice_batch(batch, rank * per_rank, (rank + 1) * per_rank)

@@ -1,0 +1,275 @@
+"""The R3 replay driver: check recorded routes, feed them to Megatron's routers, clean up.
+
+Megatron's ``RouterReplay`` keeps its state in a process-global list of per-router
+instances (build order). ``set_replay_data`` takes one ``[tokens, topk]`` tensor per
+instance with tokens flattened **sequence-first** (row ``s*B + b``) and also appends it
+to a backward FIFO that grows forever unless cleared, so every context here clears the
+global state on exit, including after an exception.
+
+Only the discrete selection is replayed: the router gathers its live scores at the
+given ids, so routing weights (and the router's gradient) are still computed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from skyrl_train.errors import RouteReplayError
+
+
+@dataclass(frozen=True)
+class LocalRouters:
+    """This rank's routers in RouterReplay registration order.
+
+    ``layers[i]`` is the 0-based global layer number of router ``i``: dense-first models
+    report routes for every layer, but only MoE layers have a router to replay into.
+    """
+
+    modules: tuple[Any, ...]
+    layers: tuple[int, ...]
+    num_layers: int
+    num_experts: int
+    top_k: int
+    replay_enabled: bool
+
+
+def local_routers(model: Any) -> LocalRouters:
+    """Find the model's routers, ordered as RouterReplay registered them."""
+    from megatron.core.transformer.moe.router_replay import RouterReplay
+
+    found: list[tuple[Any, int]] = []
+    for layer in model.decoder.layers:
+        router = getattr(getattr(layer, "mlp", None), "router", None)
+        if router is not None:
+            found.append((router, layer.layer_number - 1))
+    config = model.config
+    replay_enabled = bool(config.moe_enable_routing_replay)
+    if replay_enabled:
+        registry = RouterReplay.global_router_replay_instances
+        order = {id(inst): i for i, inst in enumerate(registry)}
+        missing = [n for r, n in found if id(r.router_replay) not in order]
+        if missing or len(registry) != len(found):
+            raise RouteReplayError(
+                f"RouterReplay registry: expected this model's {len(found)} routers, got "
+                f"{len(registry)} registered (another model built since? layers {missing})"
+            )
+        found.sort(key=lambda item: order[id(item[0].router_replay)])
+    return LocalRouters(
+        modules=tuple(r for r, _ in found),
+        layers=tuple(n for _, n in found),
+        num_layers=int(config.num_layers),
+        num_experts=int(config.num_moe_experts),
+        top_k=int(config.moe_router_topk),
+        replay_enabled=replay_enabled,
+    )
+
+
+def check_registry(routers: LocalRouters) -> None:
+    """Refuse to replay if the process-global registry no longer holds these routers
+    (a model built later cleared and refilled it; replay would feed the wrong model)."""
+    from megatron.core.transformer.moe.router_replay import RouterReplay
+
+    registered = [id(inst) for inst in RouterReplay.global_router_replay_instances]
+    mine = [id(module.router_replay) for module in routers.modules]
+    if registered != mine:
+        raise RouteReplayError(
+            f"RouterReplay registry: expected this model's {len(mine)} routers, got "
+            f"{len(registered)} other instances (a model built since setup replaced them)"
+        )
+
+
+def validate_routes(
+    routes: torch.Tensor,
+    routers: LocalRouters,
+    *,
+    padding_mask: torch.Tensor | None = None,
+    trajectory_ids: Sequence[str] | None = None,
+) -> None:
+    """Refuse routes the routers cannot replay; the message names trajectory and layer.
+
+    ``routes`` is batch-first ``[B, S, L, K]`` with L the model's total layer count.
+    Checks: shape against the model; ids in ``[0, num_experts)``; K distinct ids per
+    row; and no layer that is all zeros for every real token of a trajectory (an engine
+    elsewhere captured zeros silently for a layer it never hooked).
+    """
+    names = list(trajectory_ids) if trajectory_ids is not None else None
+
+    def who(b: int) -> str:
+        return f"trajectory {names[b]!r} (batch row {b})" if names else f"batch row {b}"
+
+    if routes.dim() != 4:
+        raise RouteReplayError(
+            f"routed_experts: expected [B, S, L, K], got shape {tuple(routes.shape)}"
+        )
+    batch, seq, layers, top_k = routes.shape
+    if layers != routers.num_layers or top_k != routers.top_k:
+        raise RouteReplayError(
+            f"routed_experts: expected {routers.num_layers} layers x top-{routers.top_k} "
+            f"(the model's), got {layers} layers x top-{top_k}"
+        )
+    if names is not None and len(names) != batch:
+        raise RouteReplayError(f"trajectory_ids: expected {batch} ids, got {len(names)}")
+    if routes.is_floating_point() or routes.dtype == torch.bool:
+        raise RouteReplayError(
+            f"routed_experts.dtype: expected an integer dtype, got {routes.dtype}"
+        )
+    ids = routes.to(torch.int64)
+    bad = (ids < 0) | (ids >= routers.num_experts)
+    if bad.any():
+        b, s, layer, k = (int(x) for x in bad.nonzero()[0])
+        raise RouteReplayError(
+            f"{who(b)}, layer {layer}, token {s}: expected expert ids in "
+            f"[0, {routers.num_experts}), got {int(ids[b, s, layer, k])}"
+        )
+    real = (
+        torch.ones(batch, seq, dtype=torch.bool)
+        if padding_mask is None
+        else ~padding_mask.to(torch.bool)
+    )
+    zero_layer = ((ids == 0).all(dim=3) | ~real[:, :, None]).all(dim=1) & real.any(dim=1)[:, None]
+    if zero_layer.any():
+        b, layer = (int(x) for x in zero_layer.nonzero()[0])
+        raise RouteReplayError(
+            f"{who(b)}, layer {layer}: expected recorded expert ids, got all zeros for "
+            f"every token (the engine did not capture this layer)"
+        )
+    ordered = ids.sort(dim=3).values
+    repeated = (ordered[..., 1:] == ordered[..., :-1]).any(dim=3)
+    if repeated.any():
+        b, s, layer = (int(x) for x in repeated.nonzero()[0])
+        raise RouteReplayError(
+            f"{who(b)}, layer {layer}, token {s}: expected {top_k} distinct experts, got "
+            f"{ids[b, s, layer].tolist()}"
+        )
+
+
+def to_sequence_first(routes: torch.Tensor, routers: LocalRouters) -> list[torch.Tensor]:
+    """``[B, S, L, K]`` -> one ``[S*B, K]`` int64 tensor per local router (row s*B+b)."""
+    batch, seq, _layers, top_k = routes.shape
+    return [
+        routes[:, :, layer, :]
+        .transpose(0, 1)
+        .reshape(seq * batch, top_k)
+        .to(torch.int64)
+        .contiguous()
+        for layer in routers.layers
+    ]
+
+
+def clear_replay_state() -> None:
+    """Drop every router's targets, backward FIFO, recording and action."""
+    from megatron.core.transformer.moe.router_replay import RouterReplay
+
+    RouterReplay.clear_global_indices()
+    RouterReplay.clear_global_router_replay_action()
+
+
+class ReplayHandle:
+    """Switches the routers from forward replay to backward (recompute) replay."""
+
+    def backward_phase(self) -> None:
+        """Call before ``backward()``: activation recompute then pops the FIFO that
+        ``set_replay_data`` filled, in forward order, instead of re-routing."""
+        from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
+
+        RouterReplay.set_global_router_replay_action(RouterReplayAction.REPLAY_BACKWARD)
+
+
+@contextmanager
+def routing_replay(routers: LocalRouters, routes: torch.Tensor) -> Iterator[ReplayHandle]:
+    """Replay batch-first ``routes`` ``[B, S, L, K]`` (already validated) for one microbatch."""
+    from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
+
+    if not routers.replay_enabled:
+        raise RouteReplayError(
+            "moe_enable_routing_replay: expected True on the built model to replay routes, got False"
+        )
+    check_registry(routers)
+    clear_replay_state()
+    try:
+        RouterReplay.set_replay_data(to_sequence_first(routes, routers))
+        RouterReplay.set_global_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+        yield ReplayHandle()
+    finally:
+        clear_replay_state()
+
+
+class RecordHandle:
+    def __init__(self, routers: LocalRouters, batch: int, seq: int) -> None:
+        self._routers, self._batch, self._seq = routers, batch, seq
+
+    def routes(self) -> torch.Tensor:
+        """The recorded top-k ``[B, S, L_local, K]`` (layers in ``routers.layers`` order)."""
+        from megatron.core.transformer.moe.router_replay import RouterReplay
+
+        recorded = RouterReplay.get_recorded_data()
+        if any(r is None for r in recorded):
+            raise RouteReplayError("RouterReplay RECORD: expected a forward to run first, got none")
+        per_layer = [r.reshape(self._seq, self._batch, -1).transpose(0, 1) for r in recorded]
+        return torch.stack(per_layer, dim=2)
+
+
+@contextmanager
+def routing_record(routers: LocalRouters, *, batch: int, seq: int) -> Iterator[RecordHandle]:
+    """RECORD mode: the routers pick their own experts and keep the top-k ids."""
+    from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
+
+    if not routers.replay_enabled:
+        raise RouteReplayError(
+            "moe_enable_routing_replay: expected True on the built model to record routes, got False"
+        )
+    check_registry(routers)
+    clear_replay_state()
+    try:
+        RouterReplay.set_global_router_replay_action(RouterReplayAction.RECORD)
+        yield RecordHandle(routers, batch, seq)
+    finally:
+        clear_replay_state()
+
+
+@contextmanager
+def capture_dispatch(
+    routers: LocalRouters, *, batch: int, seq: int
+) -> Iterator[list[torch.Tensor]]:
+    """Capture what each router actually dispatched (its routing map), in any mode.
+
+    Yields a list that, after the forward, holds ``[B, S, K]`` ascending expert ids per
+    local router. This reads the router's output, so it also proves that a replay took.
+    """
+    captured: list[torch.Tensor] = []
+
+    def hook(_module: Any, _inputs: Any, output: Any) -> None:
+        routing_map = output[1]  # [tokens, E] bool, tokens sequence-first
+        ids = routing_map.nonzero()[:, 1].reshape(routing_map.shape[0], -1)
+        captured.append(ids.reshape(seq, batch, -1).transpose(0, 1).detach().cpu())
+
+    handles = [module.register_forward_hook(hook) for module in routers.modules]
+    try:
+        yield captured
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def router_agreement(
+    chosen: torch.Tensor, reference: torch.Tensor, *, valid: torch.Tensor
+) -> float:
+    """Share of token-layer selections whose expert *sets* match.
+
+    ``chosen`` and ``reference`` are ``[B, S, L, K]``; ``valid`` ``[B, S]`` bool marks the
+    rows to count (real, captured tokens). Returns 1.0 when no row is valid.
+    """
+    if chosen.shape != reference.shape:
+        raise RouteReplayError(
+            f"router_agreement: expected equal shapes, got {tuple(chosen.shape)} and "
+            f"{tuple(reference.shape)}"
+        )
+    same = (chosen.sort(dim=-1).values == reference.to(chosen.dtype).sort(dim=-1).values).all(-1)
+    counted = valid.to(torch.bool)[:, :, None].expand_as(same)
+    total = int(counted.sum())
+    return 1.0 if total == 0 else float(same[counted].sum()) / total

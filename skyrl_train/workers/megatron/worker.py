@@ -1,0 +1,401 @@
+"""The Megatron-core policy worker: forward log-probs, train steps, weight export, R3.
+
+On CPU (this machine) the worker runs its own microbatch loop with gradient
+accumulation and ``torch.optim.AdamW``: Megatron's pipeline schedules and optimizer
+wrapper hard-code CUDA. Data-parallel gradients are averaged by hand over Megatron's
+groups, the way its DDP scales them (dense and expert grads both by 1/dp_size).
+
+Expert parallelism with the allgather dispatcher gathers every EP rank's tokens, so
+all ranks of an EP group must run the same number of microbatches of the same shape.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from inference.models.tiny_moe import TinyMoEConfig
+from skyrl_train.dataset.batch import TrainingBatch
+from skyrl_train.errors import RouteReplayError
+from skyrl_train.workers.megatron import convert, replay
+from skyrl_train.workers.megatron.cpu_compat import apply_cpu_compat, cpu_compat_needed
+from skyrl_train.workers.megatron.layout import (
+    ContiguousBatch,
+    make_contiguous,
+    response_logprobs,
+    shift_rows,
+    slice_batch,
+)
+from skyrl_train.workers.megatron.model import (
+    build_gpt_model,
+    build_transformer_config,
+    causal_attention_mask,
+    init_parallel_state,
+    refuse_unsupported_on_cpu,
+)
+from skyrl_train.workers.megatron.settings import DEFAULT_KEY, MegatronSettings
+
+LossFn = Callable[[torch.Tensor, TrainingBatch], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class OptimizerSettings:
+    lr: float = 1e-5
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    max_grad_norm: float = 1.0
+    """<= 0 disables clipping."""
+
+
+@dataclass
+class ForwardResult:
+    logprobs: torch.Tensor
+    """[B, R] fp32 response-token logprobs, 0 where response_mask is 0."""
+    routes: torch.Tensor | None = None
+    """[B, S, L_local, K] experts each local router dispatched to (ascending ids), in
+    the batch's own layout; only when ``capture_routes=True``. Padding rows are arange(K)."""
+
+
+@dataclass
+class TrainStepResult:
+    loss: float
+    """Mean of the microbatch losses."""
+    grad_norm: float
+    """Global gradient norm before clipping."""
+    num_microbatches: int
+    replayed: bool
+
+
+class MegatronPolicyWorker:
+    """One rank's policy model. Build with the model and Megatron settings, then ``setup()``."""
+
+    def __init__(
+        self,
+        model_config: TinyMoEConfig,
+        megatron_config: Mapping[str, Any] | MegatronSettings,
+        *,
+        optimizer: OptimizerSettings | None = None,
+        seed: int = 0,
+        config_key: str = DEFAULT_KEY,
+        pad_token_id: int = 0,
+    ) -> None:
+        self.model_config = model_config
+        self.settings = (
+            megatron_config
+            if isinstance(megatron_config, MegatronSettings)
+            else MegatronSettings.from_mapping(megatron_config, key=config_key)
+        )
+        self.optimizer_settings = optimizer or OptimizerSettings()
+        self.seed = seed
+        self.pad_token_id = pad_token_id
+        self.model: Any = None
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.routers: replay.LocalRouters | None = None
+
+    # ---- setup -----------------------------------------------------------------
+
+    def setup(self) -> MegatronPolicyWorker:
+        """Resolve the Megatron config (refusing VPP etc. with replay), initialise
+        parallel state, build the model and the optimizer."""
+        apply_cpu_compat()
+        config = build_transformer_config(self.model_config, self.settings)
+        refuse_unsupported_on_cpu(self.settings)
+        init_parallel_state(self.settings, seed=self.seed)
+        self.model = build_gpt_model(self.model_config, config, seed=self.seed)
+        self.routers = replay.local_routers(self.model)
+        opt = self.optimizer_settings
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(),
+            lr=opt.lr,
+            weight_decay=opt.weight_decay,
+            betas=opt.betas,
+            eps=opt.eps,
+        )
+        return self
+
+    # ---- weights ----------------------------------------------------------------
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Load HF Qwen3-MoE-named tensors (the engine's layout); returns how many."""
+        return convert.load_hf_weights(self._require_model(), named_tensors, self.model_config)
+
+    def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Stream the weights in the engine's layout, one tensor at a time. With EP > 1
+        every rank of the expert-parallel group must consume it in lockstep."""
+        return convert.export_hf_weights(self._require_model(), self.model_config)
+
+    # ---- forward ----------------------------------------------------------------
+
+    def forward(
+        self,
+        batch: TrainingBatch,
+        *,
+        micro_batch_size: int | None = None,
+        replay_routes: bool | None = None,
+        capture_routes: bool = False,
+        trajectory_ids: Sequence[str] | None = None,
+    ) -> ForwardResult:
+        """Response logprobs ``[B, R]`` without gradient, microbatch by microbatch.
+
+        ``replay_routes=None`` replays when the config enables it and the batch has routes.
+        """
+        model = self._require_model()
+        do_replay = self._check_replay(batch, replay_routes, trajectory_ids)
+        logprobs, routes = [], []
+        model.eval()
+        with torch.no_grad():
+            for mb in self._microbatches(batch, micro_batch_size):
+                layout = make_contiguous(mb, pad_token_id=self.pad_token_id)
+                lp, captured = self._forward_micro(mb, layout, do_replay, capture_routes)
+                logprobs.append(lp)
+                if captured is not None:
+                    routes.append(captured)
+        return ForwardResult(
+            logprobs=torch.cat(logprobs), routes=torch.cat(routes) if capture_routes else None
+        )
+
+    def forward_logprobs(self, batch: TrainingBatch, **options: Any) -> torch.Tensor:
+        """``forward(batch, **options).logprobs``: ``[B, R]`` fp32."""
+        return self.forward(batch, **options).logprobs
+
+    def record_routes(
+        self, batch: TrainingBatch, *, micro_batch_size: int | None = None
+    ) -> torch.Tensor:
+        """The trainer's own top-k (Megatron RECORD mode, router order) as
+        ``[B, S, L_local, K]`` in the batch layout; needs replay enabled on the model."""
+        model, routers = self._require_model(), self._require_routers()
+        out = []
+        model.eval()
+        with torch.no_grad():
+            for mb in self._microbatches(batch, micro_batch_size):
+                layout = make_contiguous(mb, pad_token_id=self.pad_token_id)
+                rows, seq = layout.tokens.shape
+                with replay.routing_record(routers, batch=rows, seq=seq) as handle:
+                    self._logits(layout)
+                    recorded = handle.routes()
+                out.append(self._to_batch_layout(recorded.cpu(), layout))
+        return torch.cat(out)
+
+    def router_agreement(
+        self,
+        batch: TrainingBatch,
+        *,
+        replay_routes: bool,
+        micro_batch_size: int | None = None,
+    ) -> float:
+        """Share of real token-layer selections (router_padding_mask False) where the
+        trainer dispatched to the same experts as the rollout's routes."""
+        if batch.routed_experts is None:
+            raise RouteReplayError("routed_experts: expected routes to compare against, got None")
+        result = self.forward(
+            batch,
+            micro_batch_size=micro_batch_size,
+            replay_routes=replay_routes,
+            capture_routes=True,
+        )
+        routers = self._require_routers()
+        reference = batch.routed_experts[:, :, list(routers.layers)]
+        valid = batch.attention_mask.to(torch.bool)
+        if batch.router_padding_mask is not None:
+            valid = valid & ~batch.router_padding_mask.to(torch.bool)
+        assert result.routes is not None
+        return replay.router_agreement(result.routes, reference, valid=valid)
+
+    # ---- training -----------------------------------------------------------------
+
+    def train_step(
+        self,
+        batch: TrainingBatch,
+        *,
+        loss_fn: LossFn,
+        micro_batch_size: int,
+        replay_routes: bool | None = None,
+        trajectory_ids: Sequence[str] | None = None,
+    ) -> TrainStepResult:
+        """One optimizer step over ``batch`` (this rank's shard), accumulating gradients
+        over microbatches. ``loss_fn(logprobs [b, R], microbatch) -> scalar``."""
+        if not cpu_compat_needed():  # pragma: no cover - not exercised on CPU
+            return self._train_step_cuda(batch, loss_fn=loss_fn, micro_batch_size=micro_batch_size)
+        model, optimizer = self._require_model(), self.optimizer
+        assert optimizer is not None
+        do_replay = self._check_replay(batch, replay_routes, trajectory_ids)
+        micro = list(self._microbatches(batch, micro_batch_size))
+        model.train()
+        optimizer.zero_grad(set_to_none=True)
+        losses = []
+        for mb in micro:
+            layout = make_contiguous(mb, pad_token_id=self.pad_token_id)
+            # One microbatch's routes enter the routers at a time; the context clears
+            # the global replay state after backward, and on any exception.
+            with self._replay_or_nothing(layout, do_replay) as handle:
+                logits = self._logits(layout)
+                logprobs = response_logprobs(logits, layout, mb.response_mask)
+                loss = loss_fn(logprobs, mb)
+                if handle is not None:
+                    handle.backward_phase()
+                (loss / len(micro)).backward()
+            losses.append(float(loss.detach()))
+        self._sync_gradients()
+        grad_norm = self._clip_gradients()
+        optimizer.step()
+        return TrainStepResult(
+            loss=sum(losses) / len(losses),
+            grad_norm=grad_norm,
+            num_microbatches=len(micro),
+            replayed=do_replay,
+        )
+
+    def _train_step_cuda(self, batch: TrainingBatch, **_: Any) -> TrainStepResult:
+        """CUDA path: Megatron's ``get_forward_backward_func`` schedule and distributed
+        optimizer, with ``routing_replay`` entered per microbatch inside the forward
+        step. Not built yet: nothing here has a GPU to test it on."""
+        raise NotImplementedError(
+            "MegatronPolicyWorker.train_step on CUDA: Megatron schedules/optimizer path "
+            "not implemented; run on CPU"
+        )
+
+    # ---- internals ------------------------------------------------------------------
+
+    def _require_model(self) -> Any:
+        if self.model is None:
+            raise RuntimeError("MegatronPolicyWorker: call setup() first")
+        return self.model
+
+    def _require_routers(self) -> replay.LocalRouters:
+        self._require_model()
+        assert self.routers is not None
+        return self.routers
+
+    def _check_replay(
+        self,
+        batch: TrainingBatch,
+        replay_routes: bool | None,
+        trajectory_ids: Sequence[str] | None,
+    ) -> bool:
+        """Decide whether to replay and validate the whole batch's routes up front, so
+        a bad trajectory is refused before any microbatch ran."""
+        routers = self._require_routers()
+        if replay_routes is None:
+            replay_routes = (
+                self.settings.moe_enable_routing_replay and batch.routed_experts is not None
+            )
+        if not replay_routes:
+            return False
+        if batch.routed_experts is None:
+            raise RouteReplayError("routed_experts: expected routes to replay, got None")
+        if not routers.replay_enabled:
+            raise RouteReplayError(
+                f"{self.settings.key}.moe_enable_routing_replay: expected True to replay "
+                f"routes, got False"
+            )
+        replay.validate_routes(
+            batch.routed_experts,
+            routers,
+            padding_mask=batch.router_padding_mask,
+            trajectory_ids=trajectory_ids,
+        )
+        return True
+
+    def _microbatches(self, batch: TrainingBatch, size: int | None) -> Iterator[TrainingBatch]:
+        size = size or batch.batch_size
+        if size < 1:
+            raise ValueError(f"micro_batch_size: expected a positive int, got {size}")
+        for start in range(0, batch.batch_size, size):
+            yield slice_batch(batch, start, min(start + size, batch.batch_size))
+
+    def _replay_or_nothing(self, layout: ContiguousBatch, do_replay: bool) -> Any:
+        if do_replay:
+            assert layout.routes is not None
+            return replay.routing_replay(self._require_routers(), layout.routes)
+        return _NoReplay()
+
+    def _logits(self, layout: ContiguousBatch) -> torch.Tensor:
+        model = self._require_model()
+        rows, seq = layout.tokens.shape
+        device = next(model.parameters()).device
+        # Megatron ignores position_ids for RoPE; they are passed because the
+        # signature requires them. padding_mask: GPTModel.forward (0.16) takes [B, S]
+        # and hands it, transposed, to every router, where True means *padding* (the
+        # z-loss and aux-loss code invert it; the router docstring says the opposite,
+        # the code wins). It only masks aux/z losses and expert-bias counts; padding
+        # rows still get replayed (arange(K)), since the dropless dispatcher needs
+        # tokens*K routes.
+        positions = torch.arange(seq, device=device)[None, :].expand(rows, seq)
+        return model(
+            layout.tokens.to(device),
+            positions,
+            causal_attention_mask(seq, device=device),
+            padding_mask=layout.padding_mask.to(device),
+        )
+
+    def _forward_micro(
+        self, mb: TrainingBatch, layout: ContiguousBatch, do_replay: bool, capture: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        rows, seq = layout.tokens.shape
+        with self._replay_or_nothing(layout, do_replay):
+            if capture:
+                with replay.capture_dispatch(self._require_routers(), batch=rows, seq=seq) as got:
+                    logits = self._logits(layout)
+                routes = self._to_batch_layout(torch.stack(got, dim=2), layout)
+            else:
+                logits, routes = self._logits(layout), None
+        return response_logprobs(logits, layout, mb.response_mask).cpu(), routes
+
+    def _to_batch_layout(self, routes: torch.Tensor, layout: ContiguousBatch) -> torch.Tensor:
+        filler = torch.arange(routes.shape[-1], dtype=routes.dtype)
+        return shift_rows(routes, -layout.shifts, filler)
+
+    def _sync_gradients(self) -> None:
+        from megatron.core import parallel_state
+
+        dp_size = parallel_state.get_data_parallel_world_size()
+        if dp_size == 1:
+            return
+        dense_group = parallel_state.get_data_parallel_group()
+        expert_group = parallel_state.get_expert_data_parallel_group()
+        for param in self._require_model().parameters():
+            if param.grad is None:
+                continue
+            is_expert = not getattr(param, "allreduce", True)
+            group = expert_group if is_expert else dense_group
+            if torch.distributed.get_world_size(group) > 1:
+                torch.distributed.all_reduce(param.grad, group=group)
+            param.grad.div_(dp_size)
+
+    def _clip_gradients(self) -> float:
+        """Global L2 norm (expert shards summed over the EP group), then clip."""
+        from megatron.core import parallel_state
+
+        dense_sq = torch.zeros((), dtype=torch.float64)
+        expert_sq = torch.zeros((), dtype=torch.float64)
+        params = [p for p in self._require_model().parameters() if p.grad is not None]
+        for p in params:
+            sq = p.grad.detach().double().pow(2).sum().cpu()
+            if getattr(p, "allreduce", True):
+                dense_sq += sq
+            else:
+                expert_sq += sq
+        if parallel_state.get_expert_model_parallel_world_size() > 1:
+            torch.distributed.all_reduce(
+                expert_sq, group=parallel_state.get_expert_model_parallel_group()
+            )
+        norm = math.sqrt(float(dense_sq + expert_sq))
+        limit = self.optimizer_settings.max_grad_norm
+        if limit > 0 and norm > limit:
+            scale = limit / (norm + 1e-6)
+            for p in params:
+                p.grad.mul_(scale)
+        return norm
+
+
+class _NoReplay:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None

@@ -1,0 +1,81 @@
+"""Two processes, gloo, EP=2: each rank holds half the experts and only its own shard
+of the batch and routes; replay must still dispatch every token to the given experts."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from _megatron_batches import PAD_ID, hf_response_logprobs, make_batch, random_routes
+
+from inference.models.tiny_moe import TinyMoEConfig, build_hf_model
+
+CFG = TinyMoEConfig()
+L, E, K = CFG.num_layers, CFG.num_experts, CFG.top_k
+WORLD = 2
+
+
+def _full_batch(seq_routes: bool):
+    prompts = [[72, 105, 33], [1, 2, 3, 4, 5], [40, 41], [9, 8, 7, 6]]
+    responses = [[50, 51, 52, 53], [60, 61, 62], [70, 71, 72, 73], [80, 81]]
+    routes = None
+    if seq_routes:
+        forced = random_routes(4, 9, L, E, K, seed=11)
+        routes = [forced[b, : len(prompts[b]) + len(responses[b]) - 1] for b in range(4)]
+    return make_batch(prompts, responses, num_layers=L, top_k=K, routes=routes)
+
+
+def _rank_main(rank: int, rendezvous: str) -> None:
+    torch.set_num_threads(1)
+    # A file rendezvous: no port to race other test processes for.
+    torch.distributed.init_process_group(
+        "gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=WORLD
+    )
+    try:
+        from skyrl_train.workers.megatron import MegatronPolicyWorker, shard_for_data_parallel_rank
+
+        worker = MegatronPolicyWorker(
+            CFG,
+            {"moe_enable_routing_replay": True, "expert_model_parallel_size": WORLD},
+            pad_token_id=PAD_ID,
+        ).setup()
+        assert len(worker.model.decoder.layers[0].mlp.experts.local_experts) == E // WORLD
+        hf = build_hf_model(CFG, seed=1)
+        worker.load_weights(hf.state_dict().items())
+
+        # Expert-parallel forward equals the HF model on this rank's rows.
+        shard = shard_for_data_parallel_rank(_full_batch(False), rank=rank, world_size=WORLD)
+        got = worker.forward_logprobs(shard)
+        assert (got - hf_response_logprobs(hf, shard)).abs().max().item() <= 1e-4
+
+        # Replay of random routes: every real token and layer dispatches as given.
+        full = _full_batch(True)
+        shard = shard_for_data_parallel_rank(full, rank=rank, world_size=WORLD)
+        assert torch.equal(shard.routed_experts, full.routed_experts[2 * rank : 2 * rank + 2])
+        result = worker.forward(shard, capture_routes=True)
+        real = ~shard.router_padding_mask
+        assert torch.equal(result.routes[real], shard.routed_experts.sort(-1).values[real])
+
+        # A replayed train step syncs gradients and updates; export gathers all experts.
+        step = worker.train_step(shard, loss_fn=lambda lp, mb: -lp.sum(), micro_batch_size=1)
+        assert step.replayed and step.num_microbatches == 2 and step.grad_norm > 0
+        exported = dict(worker.export_weights())
+        gate_up = exported["model.layers.0.mlp.experts.gate_up_proj"]
+        assert gate_up.shape == (E, 2 * CFG.moe_intermediate_size, CFG.hidden_size)
+        embed = exported["model.embed_tokens.weight"]
+        others = [torch.empty_like(embed) for _ in range(WORLD)]
+        torch.distributed.all_gather(others, embed)
+        assert torch.equal(others[0], others[1])  # dense grads were averaged across ranks
+        gathered = [torch.empty_like(gate_up) for _ in range(WORLD)]
+        torch.distributed.all_gather(gathered, gate_up)
+        assert torch.equal(gathered[0], gathered[1])
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+@pytest.mark.timeout(120)
+def test_two_process_expert_parallel_replay(tmp_path) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    mp.spawn(_rank_main, args=(str(tmp_path / "rendezvous"),), nprocs=WORLD, join=True)
