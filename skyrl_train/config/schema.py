@@ -69,7 +69,7 @@ class SamplingParamsConfig:
 class EnvConfig:
     name: str = "guess_number"
     """A name registered in ``skyrl_gym`` (``skyrl_gym.registered()``)."""
-    kwargs: dict[str, Any] = field(default_factory=dict)
+    kwargs: dict[str, Any] = field(default_factory=lambda: {"max_turns": 3})
     """Passed to the environment's constructor as keyword arguments."""
 
 
@@ -94,10 +94,10 @@ class InferenceEngineConfig:
 
 @dataclass(frozen=True)
 class GeneratorConfig:
-    n_samples_per_prompt: int = 4
+    n_samples_per_prompt: int = 8
     """GRPO group size: trajectories per prompt."""
-    max_turns: int = 2
-    max_tokens_per_turn: int = 12
+    max_turns: int = 3
+    max_tokens_per_turn: int = 4
     max_trajectory_tokens: int = 256
     """Prompt + all turns' tokens; a trajectory that reaches it stops with "length"."""
     max_concurrent_trajectories: int = 32
@@ -130,7 +130,7 @@ class MegatronConfig:
 
 @dataclass(frozen=True)
 class OptimizerConfig:
-    lr: float = 2e-3
+    lr: float = 3e-3
     adam_betas: tuple[float, float] = (0.9, 0.999)
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
@@ -188,14 +188,14 @@ class WeightSyncConfig:
 @dataclass(frozen=True)
 class TrainerConfig:
     seed: int = 0
-    num_steps: int = 20
+    num_steps: int = 40
     train_batch_size: int = 8
     """Prompts per training step (trajectories = this x n_samples_per_prompt)."""
     policy_mini_batch_size: int = 8
     """Prompts per optimizer step."""
-    micro_train_batch_size_per_gpu: int = 8
+    micro_train_batch_size_per_gpu: int = 64
     """Trajectories per forward/backward on one trainer rank."""
-    micro_forward_batch_size_per_gpu: int = 8
+    micro_forward_batch_size_per_gpu: int = 64
     """Trajectories per logprob-only forward on one trainer rank."""
     update_epochs_per_batch: int = 1
     eval_interval: int = 5

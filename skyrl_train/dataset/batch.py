@@ -37,6 +37,11 @@ class TrainingBatch:
     router_padding_mask: torch.Tensor | None = None
     """[B, S] bool, True on padding and uncaptured rows (not the loss mask: prompt and
     observation tokens still replay). None when R3 is off."""
+    advantages: torch.Tensor | None = None
+    """[B, R] float32 per-token advantages; set by the trainer before the policy update."""
+    old_logprobs: torch.Tensor | None = None
+    """[B, R] float32 logprobs of the policy that is being updated, taken before the
+    first optimizer step of this batch; set by the trainer."""
 
     @property
     def batch_size(self) -> int:

@@ -1,0 +1,152 @@
+"""``python -m skyrl_train.entrypoints.main_base [key=value ...]``: GRPO with R3 on Ray.
+
+Read top to bottom: parse and validate the config, start or join Ray, place the
+inference server actors and the policy actor by their CPU resources, give the
+servers the trainer's exact weights, run the GRPO loop, plot, and tear everything
+down whatever happened (success, exception or Ctrl-C).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import hydra
+from omegaconf import DictConfig
+
+from skyrl_train.config.loader import CONFIG_DIR, CONFIG_NAME, parse_config
+from skyrl_train.config.schema import PPOConfig
+from skyrl_train.config.validate import validate_cfg
+
+
+@dataclass
+class Job:
+    """A launched run: its servers and policy actor, ready to train."""
+
+    cfg: PPOConfig
+    server_urls: list[str]
+    policy: Any
+    loop: Any
+
+    def train(self) -> list[dict[str, float]]:
+        start = 0
+        if self.cfg.trainer.resume_from:
+            start = asyncio.run(self.loop.load_checkpoint(self.cfg.trainer.resume_from))
+        # The servers built their own bf16 copy; pushing the trainer's weights first
+        # makes rollout and trainer start from the same tensors, resumed runs included.
+        import ray
+
+        ray.get(self.policy.push_weights.remote(self.server_urls))
+        return asyncio.run(self.loop.run(start_step=start))
+
+
+@contextlib.contextmanager
+def launch(cfg: PPOConfig) -> Iterator[Job]:
+    """Start (or join) Ray and place every actor; on exit stop and remove them all."""
+    import ray
+
+    from inference.models.tokenizer import EOS_TOKEN_ID, load_tokenizer, save_byte_tokenizer
+    from inference.server.actor import create_server_actor
+    from inference.server.app import ServerConfig
+    from inference.server.launch import EngineSpec
+    from skyrl_train.trainer.loop import GRPOLoop
+    from skyrl_train.trainer.policy import PolicyTrainer
+
+    validate_cfg(cfg)
+    run_dir = Path(cfg.trainer.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    tokenizer = load_tokenizer(save_byte_tokenizer(run_dir / "tokenizer"))
+    started_ray = _init_ray(cfg)
+    servers: list[Any] = []
+    policy: Any = None
+    try:
+        engine = cfg.generator.inference_engine
+        spec = EngineSpec(
+            tiny_moe={} if cfg.model.path else cfg.model.tiny_moe().to_dict(),
+            checkpoint=cfg.model.path,
+            seed=cfg.model.seed,
+            dtype=engine.dtype,
+            model_name=engine.model_name,
+            max_batch_size=engine.max_batch_size,
+            batch_window_s=engine.batch_window_ms / 1000.0,
+        )
+        urls = []
+        for _ in range(engine.num_engines):
+            handle, url = create_server_actor(
+                spec,
+                ServerConfig(host=engine.host, port=engine.port),
+                num_cpus=engine.num_cpus_per_engine,
+            )
+            servers.append(handle)
+            urls.append(url)
+        policy = (
+            ray.remote(PolicyTrainer)
+            .options(num_cpus=cfg.trainer.placement.cpus_per_trainer)
+            .remote(cfg, pad_token_id=EOS_TOKEN_ID)
+        )
+        loop = GRPOLoop(
+            cfg, tokenizer=tokenizer, server_urls=urls, policy=policy, pad_token_id=EOS_TOKEN_ID
+        )
+        yield Job(cfg=cfg, server_urls=urls, policy=policy, loop=loop)
+    finally:
+        _teardown(servers, policy, started_ray)
+
+
+def run(cfg: PPOConfig) -> list[dict[str, float]]:
+    """One training run; returns the per-step metrics and saves the plot."""
+    from skyrl_train.utils.tracking import plot_metrics
+
+    with launch(cfg) as job:
+        print(f"inference servers: {', '.join(job.server_urls)}", flush=True)
+        history = job.train()
+    metrics_file = Path(cfg.trainer.run_dir) / "metrics.jsonl"
+    if cfg.logging.plot and metrics_file.is_file():
+        print(f"plot: {plot_metrics(metrics_file, metrics_file.with_suffix('.png'))}")
+    return history
+
+
+def _init_ray(cfg: PPOConfig) -> bool:
+    """Joins ``ray.address`` or starts a local Ray; returns whether we started it."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    if cfg.ray.address is None:
+        # Ray 2.60 turns token auth on by default; a local run has no token to present.
+        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    ray.init(
+        address=cfg.ray.address,
+        num_cpus=cfg.ray.num_cpus if cfg.ray.address is None else None,
+        runtime_env=dict(cfg.ray.runtime_env) or None,
+        include_dashboard=False,
+    )
+    return True
+
+
+def _teardown(servers: list[Any], policy: Any, started_ray: bool) -> None:
+    import ray
+
+    for handle in servers:
+        try:
+            ray.get(handle.stop.remote(), timeout=30)
+        except Exception as exc:  # a dead actor must not keep the others alive
+            print(f"warning: inference server did not stop cleanly: {exc!r}")
+        ray.kill(handle)
+    if policy is not None:
+        ray.kill(policy)
+    if started_ray:
+        ray.shutdown()
+
+
+@hydra.main(config_path=str(CONFIG_DIR), config_name=CONFIG_NAME, version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    run(parse_config(cfg))
+
+
+if __name__ == "__main__":
+    main()

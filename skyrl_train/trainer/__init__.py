@@ -1,0 +1,1 @@
+"""The GRPO + R3 training loop: policy actor, weight sync, checkpoints, orchestration."""

@@ -1,0 +1,224 @@
+"""The GRPO loop on the driver: generate, collate, train, sync, log, per step.
+
+Every step is a pure function of (config, step number, policy state): its prompts
+and request seeds derive from the step number, so a run resumed from a checkpoint
+takes exactly the steps an uninterrupted run would have taken.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from tqdm.auto import tqdm
+
+import skyrl_gym
+from skyrl_train.algorithms import compute_grpo_advantages, contiguous_groups
+from skyrl_train.config.schema import PPOConfig
+from skyrl_train.dataset.preprocess import convert_to_training_batch
+from skyrl_train.generators.base import GeneratorInput, GeneratorOutput
+from skyrl_train.generators.gym_generator import GymGenerator, GymGeneratorConfig
+from skyrl_train.utils.tracking import MetricsTracker, format_metrics_line
+
+EVAL_SEED_OFFSET = 1_000_003
+"""Held-out prompts come from a dataset seed training never draws from."""
+DATASET_SIZE = 4096
+LINE_KEYS = (
+    ("reward/mean", "reward"),
+    ("eval/reward_mean", "eval_reward"),
+    ("response_length/mean", "resp_len"),
+    ("generate/mean_turns", "turns"),
+    ("r3/router_agreement_native", "agree_native"),
+    ("r3/router_agreement_trained", "agree_trained"),
+    ("mismatch_trained/mean_abs_logp_diff", "dlogp_mean"),
+    ("mismatch_trained/max_abs_logp_diff", "dlogp_max"),
+    ("mismatch_trained/k3_kl", "k3"),
+    ("mismatch_trained/frac_abs_logp_diff_gt_ln2", "frac_gt_ln2"),
+    ("timing/generate_s", "t_gen"),
+    ("timing/collate_s", "t_collate"),
+    ("timing/train_s", "t_train"),
+    ("timing/sync_s", "t_sync"),
+)
+
+
+class GRPOLoop:
+    """Drives one run against started server URLs and a policy actor handle."""
+
+    def __init__(
+        self,
+        cfg: PPOConfig,
+        *,
+        tokenizer: Any,
+        server_urls: list[str],
+        policy: Any,
+        pad_token_id: int,
+        api_key: str | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.tokenizer = tokenizer
+        self.server_urls = server_urls
+        self.policy = policy
+        self.pad_token_id = pad_token_id
+        self.api_key = api_key
+        self.run_dir = Path(cfg.trainer.run_dir)
+        env = cfg.generator.env
+        self.train_tasks = skyrl_gym.make_dataset(
+            env.name, num_prompts=DATASET_SIZE, seed=cfg.trainer.seed
+        )
+        self.eval_tasks = skyrl_gym.make_dataset(
+            env.name,
+            num_prompts=cfg.trainer.eval_batch_size,
+            seed=cfg.trainer.seed + EVAL_SEED_OFFSET,
+        )
+        g = cfg.generator
+        self.gen_config = GymGeneratorConfig(
+            max_turns=g.max_turns,
+            max_tokens_per_turn=g.max_tokens_per_turn,
+            max_response_tokens=g.max_trajectory_tokens,
+            temperature=g.sampling_params.temperature,
+            top_p=g.sampling_params.top_p,
+            top_k=g.sampling_params.top_k,
+            return_routed_experts=g.inference_engine.enable_return_routed_experts,
+            max_concurrent_trajectories=g.max_concurrent_trajectories,
+            progress=False,
+        )
+        self.eval_config = dataclasses.replace(
+            self.gen_config,
+            temperature=g.eval_sampling_params.temperature,
+            top_p=g.eval_sampling_params.top_p,
+            top_k=g.eval_sampling_params.top_k,
+            return_routed_experts=False,
+        )
+
+    # ---- the run ---------------------------------------------------------------------
+
+    async def run(self, *, start_step: int = 0) -> list[dict[str, float]]:
+        from inference.client import RemoteGenerateClient
+
+        t = self.cfg.trainer
+        tracker = MetricsTracker(self.run_dir, tensorboard=self.cfg.logging.tensorboard)
+        clients = [RemoteGenerateClient(url, api_key=self.api_key) for url in self.server_urls]
+        bar = tqdm(
+            total=t.num_steps,
+            initial=start_step,
+            desc="GRPO steps",
+            disable=not self.cfg.logging.progress_bar,
+        )
+        history = []
+        try:
+            for step in range(start_step + 1, t.num_steps + 1):
+                metrics = await self.train_step(step, clients)
+                if t.eval_interval and (step % t.eval_interval == 0 or step == t.num_steps):
+                    metrics.update(await self.evaluate(clients))
+                if self.cfg.logging.jsonl:
+                    tracker.log(step, metrics)
+                history.append(metrics)
+                bar.update(1)
+                tqdm.write(format_metrics_line(step, metrics, LINE_KEYS))
+                if t.ckpt_interval and step % t.ckpt_interval == 0:
+                    await self.save_checkpoint(step)
+        finally:
+            bar.close()
+            tracker.close()
+            await asyncio.gather(*(c.close() for c in clients))
+        return history
+
+    async def train_step(self, step: int, clients: list[Any]) -> dict[str, float]:
+        cfg = self.cfg
+        n = cfg.generator.n_samples_per_prompt
+        rng = random.Random(f"{cfg.trainer.seed}:train:{step}")
+        tasks = rng.sample(self.train_tasks, cfg.trainer.train_batch_size)
+        generator = GymGenerator(
+            clients,
+            self.tokenizer,
+            dataclasses.replace(self.gen_config, seed=_step_seed(cfg.trainer.seed, step)),
+        )
+        started = time.perf_counter()
+        output = await generator.generate(self._input(tasks, n))
+        generated = time.perf_counter()
+        batch = convert_to_training_batch(output, pad_token_id=self.pad_token_id)
+        algo = cfg.trainer.algorithm
+        advantages = compute_grpo_advantages(
+            batch.rewards,
+            batch.loss_mask,
+            contiguous_groups(batch.batch_size, n),
+            norm_by_std=algo.norm_adv_by_std_in_grpo,
+            eps=algo.advantage_eps,
+        ).advantages
+        collated = time.perf_counter()
+        metrics = dict(await self.policy.train.remote(batch, advantages))
+        trained = time.perf_counter()
+        metrics.update(
+            await self.policy.push_weights.remote(self.server_urls, api_key=self.api_key)
+        )
+        synced = time.perf_counter()
+        metrics.update(_rollout_metrics(output))
+        metrics.update(
+            {
+                "timing/generate_s": generated - started,
+                "timing/collate_s": collated - generated,
+                "timing/train_s": trained - collated,
+                "timing/sync_s": synced - trained,
+                "timing/step_s": synced - started,
+            }
+        )
+        return metrics
+
+    async def evaluate(self, clients: list[Any]) -> dict[str, float]:
+        generator = GymGenerator(clients, self.tokenizer, self.eval_config)
+        output = await generator.generate(self._input(self.eval_tasks, 1))
+        return {"eval/reward_mean": float(np.mean(output.rewards))}
+
+    def _input(self, tasks: list[skyrl_gym.Task], n: int) -> GeneratorInput:
+        kwargs = dict(self.cfg.generator.env.kwargs)
+        repeated = [task for task in tasks for _ in range(n)]
+        return GeneratorInput(
+            prompts=[task.prompt for task in repeated],
+            env_names=[task.env_name for task in repeated],
+            env_extras=[{**task.env_extras, **kwargs} for task in repeated],
+        )
+
+    # ---- checkpoints -------------------------------------------------------------------
+
+    async def save_checkpoint(self, step: int) -> Path:
+        folder = self.run_dir / "checkpoints" / f"step_{step:06d}"
+        await self.policy.save_checkpoint.remote(str(folder))
+        (folder / "driver.json").write_text(json.dumps({"step": step}))
+        return folder
+
+    async def load_checkpoint(self, folder: str | Path) -> int:
+        """Restores the policy from ``folder`` and returns the step it was taken at."""
+        folder = Path(folder)
+        state_file = folder / "driver.json"
+        if not state_file.is_file():
+            raise FileNotFoundError(
+                f"trainer.resume_from: expected a checkpoint folder holding driver.json, "
+                f"got {str(folder)!r}"
+            )
+        step = int(json.loads(state_file.read_text())["step"])
+        await self.policy.load_checkpoint.remote(str(folder))
+        return step
+
+
+def _step_seed(seed: int, step: int) -> int:
+    return (seed * 1_000_003 + step) % (2**31 - 1)
+
+
+def _rollout_metrics(output: GeneratorOutput) -> dict[str, float]:
+    rewards = np.asarray(output.rewards, dtype=np.float64)
+    lengths = np.asarray([len(r) for r in output.response_ids], dtype=np.float64)
+    metrics = {
+        "reward/mean": float(rewards.mean()),
+        "reward/std": float(rewards.std()),
+        "reward/max": float(rewards.max()),
+        "response_length/mean": float(lengths.mean()),
+        "response_length/max": float(lengths.max()),
+    }
+    metrics.update({k: float(v) for k, v in output.rollout_metrics.items()})
+    return metrics

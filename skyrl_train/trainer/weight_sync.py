@@ -1,0 +1,109 @@
+"""Weight sync from the trainer to every inference server, streamed in buckets.
+
+The trainer's export yields engine-layout tensors one at a time; they are grouped
+into buckets of at most ``bucket_bytes`` so peak extra memory stays one bucket (plus,
+in delta mode, the snapshot of what the servers already hold), and every bucket goes
+to all servers concurrently. Delta mode compares each tensor with the last one sent
+and sends only those that changed: frozen or untouched tensors (embeddings of bytes
+never sampled under a sparse optimizer, frozen layers) then cost nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+from skyrl_train.utils.cpu_topology import pool_workers
+from skyrl_train.utils.parallel import fill_batch_rows
+
+SyncMode = Literal["full", "delta"]
+
+
+@dataclass
+class SyncStats:
+    tensors_total: int
+    tensors_sent: int
+    bytes_sent: int
+    requests: int
+    seconds: float
+
+
+class WeightSyncer:
+    """Pushes engine-layout weights to clients (objects with ``async update_weights``).
+
+    Clients are passed per push because an aiohttp session belongs to one event loop,
+    while the delta snapshot must outlive the loop of any single sync.
+    """
+
+    def __init__(
+        self,
+        *,
+        mode: SyncMode = "full",
+        bucket_bytes: int = 32 << 20,
+        max_threads: int = 2,
+    ) -> None:
+        if mode not in ("full", "delta"):
+            raise ValueError(f"trainer.weight_sync.mode: expected 'full' or 'delta', got {mode!r}")
+        if bucket_bytes < 1:
+            raise ValueError(f"bucket_bytes: expected >= 1, got {bucket_bytes}")
+        self.mode = mode
+        self.bucket_bytes = bucket_bytes
+        # Comparing tensors for delta mode is the CPU-heavy part; size its pool like
+        # every other pool here, so it does not oversubscribe a node shared with Ray.
+        self.workers = pool_workers(cap=max_threads, reserved=0)
+        self._sent: dict[str, torch.Tensor] = {}
+
+    async def push(
+        self, clients: Sequence[Any], named_tensors: Iterable[tuple[str, torch.Tensor]]
+    ) -> SyncStats:
+        start = time.perf_counter()
+        total = sent = nbytes = requests = 0
+        for bucket in self._buckets(named_tensors):
+            total += len(bucket)
+            changed = self._changed(bucket)
+            if not changed:
+                continue
+            payload = dict(changed)
+            await asyncio.gather(*(c.update_weights(payload) for c in clients))
+            for name, tensor in changed:
+                if self.mode == "delta":
+                    # A clone: exported tensors may be views of live parameters,
+                    # which the next optimizer step would change under the snapshot.
+                    self._sent[name] = tensor.clone()
+                nbytes += tensor.numel() * tensor.element_size()
+            sent += len(changed)
+            requests += len(clients)
+        return SyncStats(total, sent, nbytes, requests, time.perf_counter() - start)
+
+    def _buckets(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]]
+    ) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        bucket: list[tuple[str, torch.Tensor]] = []
+        size = 0
+        for name, tensor in named_tensors:
+            tensor = tensor.detach().to("cpu").contiguous()
+            bucket.append((name, tensor))
+            size += tensor.numel() * tensor.element_size()
+            if size >= self.bucket_bytes:
+                yield bucket
+                bucket, size = [], 0
+        if bucket:
+            yield bucket
+
+    def _changed(self, bucket: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+        if self.mode == "full":
+            return bucket
+        same = [False] * len(bucket)
+
+        def compare(i: int) -> None:
+            name, tensor = bucket[i]
+            previous = self._sent.get(name)
+            same[i] = previous is not None and torch.equal(previous, tensor)
+
+        fill_batch_rows(compare, len(bucket), workers=self.workers)
+        return [item for item, unchanged in zip(bucket, same, strict=True) if not unchanged]

@@ -1,0 +1,121 @@
+"""Per-step metrics: one JSONL line each, TensorBoard when installed, a PNG at the end."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+# The figures other R3 systems publish, one panel each in the end-of-run plot.
+PLOT_PANELS: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = (
+    ("reward", (("reward/mean", "train"), ("eval/reward_mean", "eval (greedy)"))),
+    (
+        "router agreement with the rollout",
+        (
+            ("r3/router_agreement_trained", "as trained (replay when on)"),
+            ("r3/router_agreement_native", "trainer's own routing"),
+        ),
+    ),
+    (
+        "|Δlogp| rollout vs trainer",
+        (
+            ("mismatch_trained/mean_abs_logp_diff", "mean, as trained"),
+            ("mismatch_trained/max_abs_logp_diff", "max, as trained"),
+            ("mismatch_native/mean_abs_logp_diff", "mean, no replay"),
+            ("mismatch_native/max_abs_logp_diff", "max, no replay"),
+        ),
+    ),
+)
+
+
+class MetricsTracker:
+    """Appends ``{"step": n, **metrics}`` to ``<run_dir>/metrics.jsonl``.
+
+    TensorBoard logging is optional: it is used when ``tensorboard`` imports, and
+    silently skipped otherwise, because the default install must stay small.
+    """
+
+    def __init__(self, run_dir: str | Path, *, tensorboard: bool = True) -> None:
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.path = self.run_dir / "metrics.jsonl"
+        self._writer: Any = None
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                self._writer = None
+            else:
+                self._writer = SummaryWriter(str(self.run_dir / "tensorboard"))
+
+    def log(self, step: int, metrics: Mapping[str, float]) -> None:
+        clean = {k: _finite_or_none(v) for k, v in metrics.items()}
+        with self.path.open("ab") as fh:
+            fh.write(orjson.dumps({"step": step, **clean}) + b"\n")
+        if self._writer is not None:
+            for key, value in clean.items():
+                if value is not None:
+                    self._writer.add_scalar(key, value, step)
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+
+def _finite_or_none(value: Any) -> float | None:
+    # orjson refuses NaN/inf; a metric that could not be computed becomes null.
+    value = float(value)
+    return value if math.isfinite(value) else None
+
+
+def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+    lines = Path(path).read_bytes().splitlines()
+    return [orjson.loads(line) for line in lines if line.strip()]
+
+
+def format_metrics_line(
+    step: int, metrics: Mapping[str, float], keys: tuple[tuple[str, str], ...]
+) -> str:
+    """``step 3 reward=0.41 ...``: the given (key, label) pairs that are present."""
+    parts = [f"step {step}"]
+    for key, label in keys:
+        value = metrics.get(key)
+        if value is not None:
+            parts.append(f"{label}={value:.4g}")
+    return " ".join(parts)
+
+
+def plot_metrics(path: str | Path, out_png: str | Path) -> Path:
+    """Reward, router agreement and logprob mismatch per step, one panel each."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = read_metrics(path)
+    steps = [row["step"] for row in rows]
+    fig, axes = plt.subplots(1, len(PLOT_PANELS), figsize=(5 * len(PLOT_PANELS), 4))
+    for ax, (title, series) in zip(axes, PLOT_PANELS, strict=True):
+        for key, label in series:
+            points = [
+                (s, row[key])
+                for s, row in zip(steps, rows, strict=True)
+                if row.get(key) is not None
+            ]
+            if points:
+                xs, ys = zip(*points, strict=True)
+                ax.plot(xs, ys, marker="o", markersize=3, label=label)
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    out = Path(out_png)
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
