@@ -68,8 +68,8 @@ def refuse_replay_incompatible(settings: Mapping[str, Any], *, key_prefix: str) 
     if vpp:
         raise ConfigValidationError(
             f"{key_prefix}.virtual_pipeline_model_parallel_size",
-            f"expected null with routing replay (interleaved pipeline chunks pop stale "
-            f"routes from the replay FIFO), got {vpp!r}",
+            f"expected null with routing replay (under virtual pipeline parallelism the "
+            f"interleaved chunks pop stale routes from the replay FIFO), got {vpp!r}",
         )
     if settings.get("moe_router_fusion"):
         raise ConfigValidationError(

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from inference.models.tiny_moe import build_hf_model
-from skyrl_train.algorithms import logprob_mismatch, ppo_policy_loss, router_agreement
+from skyrl_train.algorithms import logprob_mismatch, ppo_policy_loss
 from skyrl_train.config.schema import PPOConfig
 from skyrl_train.dataset.batch import TrainingBatch
 from skyrl_train.errors import ConfigValidationError
@@ -108,11 +108,8 @@ class PolicyTrainer:
         return metrics
 
     def _agreement(self, batch: TrainingBatch, routes: torch.Tensor | None) -> float:
-        assert routes is not None and batch.routed_experts is not None
-        layers = list(self.worker._require_routers().layers)
-        return router_agreement(
-            routes, batch.routed_experts[:, :, layers], batch.router_padding_mask
-        ).agreement
+        assert routes is not None
+        return self.worker.rollout_agreement(batch, routes)
 
     def _update(self, batch: TrainingBatch, *, replay: bool) -> dict[str, float]:
         t = self.cfg.trainer

@@ -10,6 +10,7 @@ padded), and its routes move with it. Response token j of row b then sits at pos
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -101,13 +102,23 @@ def response_logprobs(
     return logprobs * response_mask.to(logprobs.device, logprobs.dtype)
 
 
-def slice_batch(batch: TrainingBatch, start: int, stop: int) -> TrainingBatch:
-    """Rows ``[start, stop)`` of every per-row tensor (routes included)."""
+def map_tensors(batch: TrainingBatch, fn: Callable[[torch.Tensor], torch.Tensor]) -> TrainingBatch:
+    """A copy of ``batch`` with ``fn`` applied to every tensor field (routes included)."""
     values = {}
     for f in dataclasses.fields(batch):
         value = getattr(batch, f.name)
-        values[f.name] = value[start:stop] if isinstance(value, torch.Tensor) else value
+        values[f.name] = fn(value) if isinstance(value, torch.Tensor) else value
     return TrainingBatch(**values)
+
+
+def slice_batch(batch: TrainingBatch, start: int, stop: int) -> TrainingBatch:
+    """Rows ``[start, stop)`` of every per-row tensor (routes included)."""
+    return map_tensors(batch, lambda t: t[start:stop])
+
+
+def batch_to(batch: TrainingBatch, device: torch.device) -> TrainingBatch:
+    """Every tensor of ``batch`` on ``device`` (no copy for tensors already there)."""
+    return map_tensors(batch, lambda t: t.to(device))
 
 
 def shard_for_data_parallel_rank(

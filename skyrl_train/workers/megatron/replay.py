@@ -254,22 +254,3 @@ def capture_dispatch(
     finally:
         for handle in handles:
             handle.remove()
-
-
-def router_agreement(
-    chosen: torch.Tensor, reference: torch.Tensor, *, valid: torch.Tensor
-) -> float:
-    """Share of token-layer selections whose expert *sets* match.
-
-    ``chosen`` and ``reference`` are ``[B, S, L, K]``; ``valid`` ``[B, S]`` bool marks the
-    rows to count (real, captured tokens). Returns 1.0 when no row is valid.
-    """
-    if chosen.shape != reference.shape:
-        raise RouteReplayError(
-            f"router_agreement: expected equal shapes, got {tuple(chosen.shape)} and "
-            f"{tuple(reference.shape)}"
-        )
-    same = (chosen.sort(dim=-1).values == reference.to(chosen.dtype).sort(dim=-1).values).all(-1)
-    counted = valid.to(torch.bool)[:, :, None].expand_as(same)
-    total = int(counted.sum())
-    return 1.0 if total == 0 else float(same[counted].sum()) / total

@@ -75,37 +75,32 @@ def _to_plain(values: Any) -> Any:
 def refuse_replay_incompatible(settings: MegatronSettings, resolved: Any) -> None:
     """Raise ConfigValidationError if replay is on and the resolved config defeats it.
 
-    ``resolved`` is the built TransformerConfig. VPP: interleaved schedules push every
-    chunk's forward onto each router FIFO but pop per chunk, so replay silently goes
-    stale. Router fusion and sinkhorn balancing bypass RouterReplay entirely.
+    ``resolved`` is the built TransformerConfig (or the kwargs about to build it). The
+    rules live in ``validate_cfg``'s check; this applies them to resolved values,
+    naming the key the offending value came from.
     """
+    from skyrl_train.config.validate import refuse_replay_incompatible as refuse
+
     if not settings.moe_enable_routing_replay:
         return
     kw_key = f"{settings.key}.transformer_config_kwargs"
-    vpp = getattr(resolved, "virtual_pipeline_model_parallel_size", None)
-    if vpp:
-        source = (
-            f"{kw_key}.virtual_pipeline_model_parallel_size"
-            if settings.transformer_config_kwargs.get("virtual_pipeline_model_parallel_size")
-            or not settings.virtual_pipeline_model_parallel_size
-            else f"{settings.key}.virtual_pipeline_model_parallel_size"
-        )
-        raise ConfigValidationError(
-            source,
-            f"routing replay cannot run with virtual pipeline parallelism (resolved "
-            f"virtual_pipeline_model_parallel_size={vpp}): interleaved schedules make "
-            f"the routers' replay queues go stale; set it to null or turn off "
-            f"{settings.key}.moe_enable_routing_replay",
-        )
-    if getattr(resolved, "moe_router_fusion", False):
-        raise ConfigValidationError(
-            f"{kw_key}.moe_router_fusion",
-            "expected False with routing replay; the fused router bypasses replay",
-        )
-    balancing = getattr(resolved, "moe_router_load_balancing_type", "none")
-    kinds = balancing if isinstance(balancing, (list, tuple)) else [balancing]
-    if "sinkhorn" in kinds:
-        raise ConfigValidationError(
-            f"{kw_key}.moe_router_load_balancing_type",
-            "expected not 'sinkhorn' with routing replay; sinkhorn routing bypasses replay",
-        )
+    vpp_from_top_level = bool(settings.virtual_pipeline_model_parallel_size) and not (
+        settings.transformer_config_kwargs.get("virtual_pipeline_model_parallel_size")
+    )
+    refuse(
+        {
+            "virtual_pipeline_model_parallel_size": getattr(
+                resolved, "virtual_pipeline_model_parallel_size", None
+            )
+        },
+        key_prefix=settings.key if vpp_from_top_level else kw_key,
+    )
+    refuse(
+        {
+            "moe_router_fusion": getattr(resolved, "moe_router_fusion", False),
+            "moe_router_load_balancing_type": getattr(
+                resolved, "moe_router_load_balancing_type", None
+            ),
+        },
+        key_prefix=kw_key,
+    )

@@ -1,8 +1,9 @@
 """The Megatron-core policy worker: forward log-probs, train steps, weight export, R3.
 
-On CPU (this machine) the worker runs its own microbatch loop with gradient
-accumulation and ``torch.optim.AdamW``: Megatron's pipeline schedules and optimizer
-wrapper hard-code CUDA. Data-parallel gradients are averaged by hand over Megatron's
+The worker runs its own microbatch loop with gradient accumulation and
+``torch.optim.AdamW`` on every device: Megatron's pipeline schedules and optimizer
+wrapper hard-code CUDA, and one loop that runs here is one loop that is tested.
+(Pipeline parallelism, which needs Megatron's schedules, is refused at setup.) Data-parallel gradients are averaged by hand over Megatron's
 groups, the way its DDP scales them (dense and expert grads both by 1/dp_size).
 
 Expert parallelism with the allgather dispatcher gathers every EP rank's tokens, so
@@ -19,12 +20,14 @@ from typing import Any
 import torch
 
 from inference.models.tiny_moe import TinyMoEConfig
+from skyrl_train.algorithms.mismatch import router_agreement
 from skyrl_train.dataset.batch import TrainingBatch
 from skyrl_train.errors import RouteReplayError
 from skyrl_train.workers.megatron import convert, replay
-from skyrl_train.workers.megatron.cpu_compat import apply_cpu_compat, cpu_compat_needed
+from skyrl_train.workers.megatron.cpu_compat import apply_cpu_compat
 from skyrl_train.workers.megatron.layout import (
     ContiguousBatch,
+    batch_to,
     make_contiguous,
     response_logprobs,
     shift_rows,
@@ -190,21 +193,25 @@ class MegatronPolicyWorker:
     ) -> float:
         """Share of real token-layer selections (router_padding_mask False) where the
         trainer dispatched to the same experts as the rollout's routes."""
-        if batch.routed_experts is None:
-            raise RouteReplayError("routed_experts: expected routes to compare against, got None")
         result = self.forward(
             batch,
             micro_batch_size=micro_batch_size,
             replay_routes=replay_routes,
             capture_routes=True,
         )
-        routers = self._require_routers()
-        reference = batch.routed_experts[:, :, list(routers.layers)]
-        valid = batch.attention_mask.to(torch.bool)
-        if batch.router_padding_mask is not None:
-            valid = valid & ~batch.router_padding_mask.to(torch.bool)
         assert result.routes is not None
-        return replay.router_agreement(result.routes, reference, valid=valid)
+        return self.rollout_agreement(batch, result.routes)
+
+    def rollout_agreement(self, batch: TrainingBatch, routes: torch.Tensor) -> float:
+        """Agreement of ``routes`` (``ForwardResult.routes``, this rank's routers) with
+        the batch's rollout routes, over real rows the rollout captured."""
+        if batch.routed_experts is None:
+            raise RouteReplayError("routed_experts: expected routes to compare against, got None")
+        reference = batch.routed_experts[:, :, list(self._require_routers().layers)]
+        skip = ~batch.attention_mask.to(torch.bool)
+        if batch.router_padding_mask is not None:
+            skip = skip | batch.router_padding_mask.to(torch.bool)
+        return router_agreement(routes, reference, skip).agreement
 
     # ---- training -----------------------------------------------------------------
 
@@ -219,8 +226,6 @@ class MegatronPolicyWorker:
     ) -> TrainStepResult:
         """One optimizer step over ``batch`` (this rank's shard), accumulating gradients
         over microbatches. ``loss_fn(logprobs [b, R], microbatch) -> scalar``."""
-        if not cpu_compat_needed():  # pragma: no cover - not exercised on CPU
-            return self._train_step_cuda(batch, loss_fn=loss_fn, micro_batch_size=micro_batch_size)
         model, optimizer = self._require_model(), self.optimizer
         assert optimizer is not None
         do_replay = self._check_replay(batch, replay_routes, trajectory_ids)
@@ -235,7 +240,7 @@ class MegatronPolicyWorker:
             with self._replay_or_nothing(layout, do_replay) as handle:
                 logits = self._logits(layout)
                 logprobs = response_logprobs(logits, layout, mb.response_mask)
-                loss = loss_fn(logprobs, mb)
+                loss = loss_fn(logprobs, batch_to(mb, logprobs.device))
                 if handle is not None:
                     handle.backward_phase()
                 (loss / len(micro)).backward()
@@ -248,15 +253,6 @@ class MegatronPolicyWorker:
             grad_norm=grad_norm,
             num_microbatches=len(micro),
             replayed=do_replay,
-        )
-
-    def _train_step_cuda(self, batch: TrainingBatch, **_: Any) -> TrainStepResult:
-        """CUDA path: Megatron's ``get_forward_backward_func`` schedule and distributed
-        optimizer, with ``routing_replay`` entered per microbatch inside the forward
-        step. Not built yet: nothing here has a GPU to test it on."""
-        raise NotImplementedError(
-            "MegatronPolicyWorker.train_step on CUDA: Megatron schedules/optimizer path "
-            "not implemented; run on CPU"
         )
 
     # ---- internals ------------------------------------------------------------------

@@ -15,7 +15,7 @@ from skyrl_train.workers.megatron.layout import (
     shift_rows,
 )
 from skyrl_train.workers.megatron.model import refuse_unsupported_on_cpu
-from skyrl_train.workers.megatron.replay import LocalRouters, router_agreement, validate_routes
+from skyrl_train.workers.megatron.replay import LocalRouters, validate_routes
 from skyrl_train.workers.megatron.settings import MegatronSettings
 from skyrl_train.workers.megatron.worker import MegatronPolicyWorker
 
@@ -151,19 +151,6 @@ def test_layer_of_all_zeros_is_refused_padding_ignored() -> None:
 def test_float_routes_are_refused() -> None:
     with pytest.raises(RouteReplayError, match=r"routed_experts.dtype"):
         validate_routes(_routes().float(), ROUTERS)
-
-
-def test_router_agreement_compares_expert_sets_on_valid_rows() -> None:
-    ref = _routes()
-    chosen = ref.flip(-1).clone()  # same sets, other order
-    valid = torch.ones(2, 5, dtype=torch.bool)
-    assert router_agreement(chosen, ref, valid=valid) == 1.0
-    chosen[0, 0, 0] = (
-        torch.tensor([6, 7]) if set(ref[0, 0, 0].tolist()) != {6, 7} else torch.tensor([0, 1])
-    )
-    assert router_agreement(chosen, ref, valid=valid) == pytest.approx(1 - 1 / 40)
-    valid[0, 0] = False
-    assert router_agreement(chosen, ref, valid=valid) == 1.0
 
 
 # ---- layout ------------------------------------------------------------------------
