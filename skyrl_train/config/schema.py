@@ -229,7 +229,9 @@ class RayConfig:
 class LoggingConfig:
     jsonl: bool = True
     """One JSON line of metrics per step in ``<run_dir>/metrics.jsonl``."""
-    tensorboard: bool = False
+    tensorboard: bool = True
+    """Write event files to ``<run_dir>/tensorboard`` when ``tensorboard`` is installed;
+    silently skipped otherwise, so the default install stays small."""
     progress_bar: bool = True
     plot: bool = True
     """Save ``<run_dir>/metrics.png`` at the end of the run."""

@@ -157,6 +157,13 @@ def _check_generator(cfg: PPOConfig) -> None:
             "generator.env.name",
             f"expected a registered environment {skyrl_gym.registered()}, got {gen.env.name!r}",
         )
+    # Build one environment the way the generator will, so a kwarg the environment does
+    # not take fails here, before Ray and the model start, not at the first rollout.
+    (task,) = skyrl_gym.make_dataset(gen.env.name, num_prompts=1, seed=0)
+    try:
+        skyrl_gym.make(gen.env.name, **{**task.env_extras, **gen.env.kwargs}).close()
+    except skyrl_gym.EnvError as exc:
+        raise ConfigValidationError("generator.env.kwargs", str(exc)) from exc
     eng = gen.inference_engine
     _at_least(eng.num_engines, 1, "generator.inference_engine.num_engines")
     if not eng.host:

@@ -210,3 +210,11 @@ def test_parallel_layouts_that_fit_are_valid(tmp_path: Path) -> None:
             ]
         )
     )
+
+
+def test_env_kwargs_the_environment_does_not_take_are_refused_before_launch() -> None:
+    err = _refusal(["generator.env.name=repeat_letter"])  # the default kwargs set max_turns
+    assert err.key == "generator.env.kwargs"
+    assert "max_turns" in err.reason
+    ok = load_config(["generator.env.name=repeat_letter", "~generator.env.kwargs.max_turns"])
+    validate_cfg(ok)
