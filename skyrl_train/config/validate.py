@@ -38,8 +38,16 @@ _MODEL_OWNED = {
 }
 
 
-def validate_cfg(cfg: PPOConfig) -> None:
-    """Refuse an inconsistent or unsupported config; returns None when it is fine."""
+def validate_cfg(cfg: PPOConfig | Mapping[str, Any]) -> None:
+    """Refuse an inconsistent or unsupported config; returns None when it is fine.
+
+    Takes the typed ``PPOConfig`` or a composed Hydra config (``DictConfig``/mapping),
+    which is parsed strictly first.
+    """
+    if not isinstance(cfg, PPOConfig):
+        from skyrl_train.config.loader import parse_config
+
+        cfg = parse_config(cfg)
     _check_routing_replay(cfg)
     _check_model(cfg.model)
     _check_generator(cfg)
@@ -50,6 +58,13 @@ def validate_cfg(cfg: PPOConfig) -> None:
     _check_batch_sizes(cfg)
     if cfg.ray.num_cpus is not None:
         _at_least(cfg.ray.num_cpus, 1, "ray.num_cpus")
+    if cfg.trainer.algorithm.use_kl_loss:
+        # Checked last, so the ref settings above are still reported by name.
+        raise ConfigValidationError(
+            "trainer.algorithm.use_kl_loss",
+            "expected false: the trainer does not build a reference model yet (GRPO here "
+            "runs without a KL term)",
+        )
 
 
 def refuse_replay_incompatible(settings: Mapping[str, Any], *, key_prefix: str) -> None:

@@ -20,7 +20,7 @@ Decisions, each tested in tests/skyrl_train/generators/test_traces.py:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -48,9 +48,9 @@ class TokenMetadataTrace:
 
     def __init__(
         self,
-        trajectory_id: str,
+        trajectory_id: str = "#0",
         *,
-        field: str,
+        field: str = "metadata",
         kind: str = "int",
         trailing_shape: tuple[int, ...] | None = None,
     ) -> None:
@@ -85,7 +85,10 @@ class TokenMetadataTrace:
     def _fail(self, turn: int, what: str) -> RouteTraceError:
         return RouteTraceError(f"trajectory {self.trajectory_id} turn {turn}: {self.field}{what}")
 
-    def append(self, chunk: np.ndarray, *, expected_rows: int, turn: int) -> None:
+    def append(self, chunk: np.ndarray, *, expected_rows: int, turn: int | None = None) -> None:
+        """Append one turn's rows; ``turn`` (for messages) defaults to the chunk count."""
+        if turn is None:
+            turn = len(self._chunks)
         """Append one turn's rows; raises RouteTraceError naming trajectory and turn."""
         if not isinstance(chunk, np.ndarray):
             raise self._fail(turn, f": expected a numpy array, got {type(chunk).__name__}")
@@ -127,9 +130,9 @@ class TokenMetadataTrace:
         return out
 
 
-@dataclass
-class RouteTraceResult:
-    """A finalized route trace, shaped for ``GeneratorOutput.routed_experts``."""
+class RouteTraceResult(NamedTuple):
+    """A finalized route trace, shaped for ``GeneratorOutput.routed_experts``; unpacks
+    as ``routes, captured = trace.finalize(...)``."""
 
     routed_experts: np.ndarray
     """[rows, layers, topk]: row t is the routing of token t, for t < rows."""
@@ -145,7 +148,7 @@ class RoutedExpertTrace:
     """Routes of one trajectory, stitched from per-turn server replies (DESIGN §5)."""
 
     def __init__(
-        self, trajectory_id: str, *, num_layers: int | None = None, top_k: int | None = None
+        self, trajectory_id: str = "#0", *, num_layers: int | None = None, top_k: int | None = None
     ) -> None:
         trailing = None
         if num_layers is not None or top_k is not None:

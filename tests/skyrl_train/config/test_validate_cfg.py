@@ -218,3 +218,25 @@ def test_env_kwargs_the_environment_does_not_take_are_refused_before_launch() ->
     assert "max_turns" in err.reason
     ok = load_config(["generator.env.name=repeat_letter", "~generator.env.kwargs.max_turns"])
     validate_cfg(ok)
+
+
+def test_kl_loss_is_refused_since_no_reference_model_is_built() -> None:
+    err = _refusal(["trainer.algorithm.use_kl_loss=true"])
+    assert err.key == "trainer.algorithm.use_kl_loss"
+
+
+def test_validate_cfg_takes_a_composed_hydra_config_too() -> None:
+    from hydra import compose, initialize_config_dir
+
+    from skyrl_train.config.loader import CONFIG_DIR
+
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        raw = compose(config_name="ppo_base_config")
+        validate_cfg(raw)
+        bad = compose(
+            config_name="ppo_base_config",
+            overrides=["trainer.policy.megatron_config.virtual_pipeline_model_parallel_size=2"],
+        )
+    with pytest.raises(ConfigValidationError) as info:
+        validate_cfg(bad)
+    assert info.value.key == "trainer.policy.megatron_config.virtual_pipeline_model_parallel_size"
