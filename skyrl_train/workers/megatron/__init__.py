@@ -6,9 +6,15 @@ both ways in the engine's HF layout), ``layout`` (left-padded batch -> contiguou
 ``replay`` (route checks and the RouterReplay driver), ``worker`` (the public worker).
 """
 
-from skyrl_train.workers.megatron.layout import shard_for_data_parallel_rank
-from skyrl_train.workers.megatron.settings import MegatronSettings
-from skyrl_train.workers.megatron.worker import (
+import warnings
+
+# megatron-core warns once per module that Apex / Transformer Engine are missing; on
+# CPU that is the expected setup, and the six warnings buried every run's first lines.
+warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine).*(not installed|Falling)")
+
+from skyrl_train.workers.megatron.layout import shard_for_data_parallel_rank  # noqa: E402
+from skyrl_train.workers.megatron.settings import MegatronSettings  # noqa: E402
+from skyrl_train.workers.megatron.worker import (  # noqa: E402
     ForwardResult,
     MegatronPolicyWorker,
     OptimizerSettings,
