@@ -1,9 +1,9 @@
 """``python -m skyrl_train.entrypoints.main_base [key=value ...]``: GRPO with R3 on Ray.
 
 Read top to bottom: parse and validate the config, start or join Ray, place the
-inference server actors and the policy actor by their CPU resources, give the
-servers the trainer's exact weights, run the GRPO loop, plot, and tear everything
-down whatever happened (success, exception or Ctrl-C).
+inference server actors and the ``trainer.placement.num_trainers`` policy actors by
+their CPU resources, give the servers the trainer's exact weights, run the GRPO loop,
+plot, and tear everything down whatever happened (success, exception or Ctrl-C).
 """
 
 from __future__ import annotations
@@ -26,36 +26,36 @@ from skyrl_train.config.validate import validate_cfg
 
 @dataclass
 class Job:
-    """A launched run: its servers and policy actor, ready to train."""
+    """A launched run: its servers and policy actors, ready to train."""
 
     cfg: PPOConfig
     server_urls: list[str]
     policy: Any
+    """The ``PolicyGroup``: one actor per trainer rank."""
     loop: Any
 
     def train(self) -> list[dict[str, float]]:
-        start = 0
-        if self.cfg.trainer.resume_from:
-            start = asyncio.run(self.loop.load_checkpoint(self.cfg.trainer.resume_from))
-        # The servers built their own bf16 copy; pushing the trainer's weights first
-        # makes rollout and trainer start from the same tensors, resumed runs included.
-        import ray
+        async def go() -> list[dict[str, float]]:
+            start = 0
+            if self.cfg.trainer.resume_from:
+                start = await self.loop.load_checkpoint(self.cfg.trainer.resume_from)
+            # The servers built their own bf16 copy; pushing the trainer's weights first
+            # makes rollout and trainer start from the same tensors, resumed runs included.
+            await self.policy.push_weights(self.server_urls)
+            return await self.loop.run(start_step=start)
 
-        ray.get(self.policy.push_weights.remote(self.server_urls))
-        return asyncio.run(self.loop.run(start_step=start))
+        return asyncio.run(go())
 
 
 @contextlib.contextmanager
 def launch(cfg: PPOConfig) -> Iterator[Job]:
     """Start (or join) Ray and place every actor; on exit stop and remove them all."""
-    import ray
-
     from inference.models.tokenizer import EOS_TOKEN_ID, load_tokenizer, save_byte_tokenizer
     from inference.server.actor import create_server_actor
     from inference.server.app import ServerConfig
     from inference.server.launch import EngineSpec
     from skyrl_train.trainer.loop import GRPOLoop
-    from skyrl_train.trainer.policy import PolicyTrainer
+    from skyrl_train.trainer.policy_group import PolicyGroup
 
     validate_cfg(cfg)
     run_dir = Path(cfg.trainer.run_dir)
@@ -84,11 +84,8 @@ def launch(cfg: PPOConfig) -> Iterator[Job]:
             )
             servers.append(handle)
             urls.append(url)
-        policy = (
-            ray.remote(PolicyTrainer)
-            .options(num_cpus=cfg.trainer.placement.cpus_per_trainer)
-            .remote(cfg, pad_token_id=EOS_TOKEN_ID)
-        )
+        policy = PolicyGroup.place(cfg, pad_token_id=EOS_TOKEN_ID)
+        policy.setup()
         loop = GRPOLoop(
             cfg, tokenizer=tokenizer, server_urls=urls, policy=policy, pad_token_id=EOS_TOKEN_ID
         )
@@ -138,7 +135,7 @@ def _teardown(servers: list[Any], policy: Any, started_ray: bool) -> None:
             print(f"warning: inference server did not stop cleanly: {exc!r}")
         ray.kill(handle)
     if policy is not None:
-        ray.kill(policy)
+        policy.kill()
     if started_ray:
         ray.shutdown()
 

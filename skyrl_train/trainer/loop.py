@@ -48,7 +48,8 @@ LINE_KEYS = (
 
 
 class GRPOLoop:
-    """Drives one run against started server URLs and a policy actor handle."""
+    """Drives one run against started server URLs and a ``PolicyGroup`` (or any object
+    with its async ``train``/``push_weights``/``save_checkpoint``/``load_checkpoint``)."""
 
     def __init__(
         self,
@@ -86,7 +87,8 @@ class GRPOLoop:
             top_k=g.sampling_params.top_k,
             return_routed_experts=g.inference_engine.enable_return_routed_experts,
             max_concurrent_trajectories=g.max_concurrent_trajectories,
-            progress=False,
+            # A second, transient bar over trajectories inside each step's rollout.
+            progress=cfg.logging.progress_bar,
         )
         self.eval_config = dataclasses.replace(
             self.gen_config,
@@ -152,11 +154,9 @@ class GRPOLoop:
             eps=algo.advantage_eps,
         ).advantages
         collated = time.perf_counter()
-        metrics = dict(await self.policy.train.remote(batch, advantages))
+        metrics = dict(await self.policy.train(batch, advantages))
         trained = time.perf_counter()
-        metrics.update(
-            await self.policy.push_weights.remote(self.server_urls, api_key=self.api_key)
-        )
+        metrics.update(await self.policy.push_weights(self.server_urls, api_key=self.api_key))
         synced = time.perf_counter()
         metrics.update(_rollout_metrics(output))
         metrics.update(
@@ -188,7 +188,7 @@ class GRPOLoop:
 
     async def save_checkpoint(self, step: int) -> Path:
         folder = self.run_dir / "checkpoints" / f"step_{step:06d}"
-        await self.policy.save_checkpoint.remote(str(folder))
+        await self.policy.save_checkpoint(str(folder))
         (folder / "driver.json").write_text(json.dumps({"step": step}))
         return folder
 
@@ -202,7 +202,7 @@ class GRPOLoop:
                 f"got {str(folder)!r}"
             )
         step = int(json.loads(state_file.read_text())["step"])
-        await self.policy.load_checkpoint.remote(str(folder))
+        await self.policy.load_checkpoint(str(folder))
         return step
 
 

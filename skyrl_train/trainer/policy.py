@@ -5,12 +5,19 @@ the old logprobs, the router agreement as trained and the rollout-vs-trainer
 logprob mismatch; with R3 on, a second forward without replay measures what R3
 removes (the trainer's native routing against the rollout's). Then PPO-clip updates
 over mini-batches, then weights go back to the inference servers.
+
+With several ranks each one runs this on its own shard of the batch
+(``policy_group.PolicyGroup`` fans the calls out and combines the metrics).
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import random
+import socket
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +29,7 @@ from skyrl_train.algorithms import logprob_mismatch, ppo_policy_loss
 from skyrl_train.config.schema import PPOConfig
 from skyrl_train.dataset.batch import TrainingBatch
 from skyrl_train.errors import ConfigValidationError
+from skyrl_train.trainer.data_parallel import ROWS_KEY
 from skyrl_train.trainer.weight_sync import WeightSyncer
 from skyrl_train.workers.megatron.layout import slice_batch
 from skyrl_train.workers.megatron.worker import MegatronPolicyWorker, OptimizerSettings
@@ -37,39 +45,104 @@ def initial_engine_weights(cfg: PPOConfig) -> dict[str, torch.Tensor]:
     return {name: t.detach() for name, t in model.state_dict().items()}
 
 
+@dataclass(frozen=True)
+class RankInfo:
+    """Where a trainer rank sits in Megatron's parallel groups, read after setup."""
+
+    rank: int
+    world_size: int
+    dp_rank: int
+    dp_size: int
+    ep_size: int
+
+
 class PolicyTrainer:
-    """Owns the Megatron policy worker; every method is a Ray actor call."""
+    """One trainer rank's Megatron policy worker; every method is a Ray actor call.
+
+    Construction only stores the config; ``setup`` joins torch.distributed (when
+    ``world_size > 1``) and builds the model, so rank 0 can first pick the rendezvous
+    address on its own node (``rendezvous_address``).
+    """
 
     def __init__(self, cfg: PPOConfig, *, pad_token_id: int, num_threads: int = 1) -> None:
         torch.set_num_threads(num_threads)
-        if cfg.trainer.algorithm.use_kl_loss:
-            raise ConfigValidationError(
-                "trainer.algorithm.use_kl_loss",
-                "a reference model is not built by this trainer yet; set it to false",
-            )
-        opt = cfg.trainer.policy.optimizer_config
         self.cfg = cfg
+        self.pad_token_id = pad_token_id
+        self.worker: MegatronPolicyWorker
+        self.info = RankInfo(rank=0, world_size=1, dp_rank=0, dp_size=1, ep_size=1)
+        self.syncer = WeightSyncer(
+            mode=cfg.trainer.weight_sync.mode, max_threads=cfg.trainer.weight_sync.max_threads
+        )
+
+    def rendezvous_address(self) -> tuple[str, int]:
+        """This node's IP and a port free on it, for the other ranks to reach rank 0."""
+        import ray
+
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            # Probed then released: gloo binds it moments later, a small race that
+            # env:// rendezvous cannot avoid (world size 1 uses no port at all).
+            sock.bind(("", 0))
+            port = int(sock.getsockname()[1])
+        return ray.util.get_node_ip_address(), port
+
+    def setup(
+        self,
+        *,
+        rank: int = 0,
+        world_size: int = 1,
+        master_addr: str = "127.0.0.1",
+        master_port: int = 0,
+    ) -> RankInfo:
+        """Join the process group and build the worker; returns this rank's place."""
+        from megatron.core import parallel_state
+
+        # init_parallel_state joins via env:// when WORLD_SIZE > 1 (in-process store
+        # otherwise); a Ray actor is its own process, so setting them here is local.
+        os.environ.update(
+            RANK=str(rank),
+            LOCAL_RANK="0",
+            WORLD_SIZE=str(world_size),
+            MASTER_ADDR=master_addr,
+            MASTER_PORT=str(master_port),
+        )
+        cfg, opt = self.cfg, self.cfg.trainer.policy.optimizer_config
         self.worker = MegatronPolicyWorker(
             cfg.model.tiny_moe(),
             megatron_settings_of(cfg.trainer.policy.megatron_config),
             optimizer=OptimizerSettings(
                 lr=opt.lr,
                 weight_decay=opt.weight_decay,
-                betas=tuple(opt.adam_betas),
+                betas=(opt.adam_betas[0], opt.adam_betas[1]),
                 max_grad_norm=opt.max_grad_norm,
             ),
             seed=cfg.trainer.seed,
-            pad_token_id=pad_token_id,
+            pad_token_id=self.pad_token_id,
         ).setup()
         self.worker.load_weights(initial_engine_weights(cfg).items())
-        self.syncer = WeightSyncer(
-            mode=cfg.trainer.weight_sync.mode, max_threads=cfg.trainer.weight_sync.max_threads
+        self.info = RankInfo(
+            rank=rank,
+            world_size=world_size,
+            dp_rank=parallel_state.get_data_parallel_rank(),
+            dp_size=parallel_state.get_data_parallel_world_size(),
+            ep_size=parallel_state.get_expert_model_parallel_world_size(),
         )
+        return self.info
 
     # ---- one training step --------------------------------------------------------
 
-    def train(self, batch: TrainingBatch, advantages: torch.Tensor) -> dict[str, float]:
+    def train(
+        self, batch: TrainingBatch, *, mini_batch_tokens: Sequence[float] | None = None
+    ) -> dict[str, float]:
+        """Old logprobs, R3 metrics and PPO updates on this rank's shard.
+
+        ``batch`` holds this rank's ``1/dp`` of every global mini-batch, in order
+        (``data_parallel.shard_mini_batches``), with ``advantages`` set by the driver.
+        ``mini_batch_tokens``: loss-active tokens of each *global* mini-batch (None:
+        this shard's own counts, which is the same thing on one rank).
+        """
         t = self.cfg.trainer
+        if batch.advantages is None:
+            raise ValueError("advantages: expected [B, R] advantages set on the batch, got None")
         has_routes = batch.routed_experts is not None
         replay = has_routes and t.policy.megatron_config.moe_enable_routing_replay
         as_trained = self.worker.forward(
@@ -88,8 +161,14 @@ class PolicyTrainer:
                     replay_routes=False,
                     capture_routes=True,
                 )
-            metrics["r3/router_agreement_trained"] = self._agreement(batch, as_trained.routes)
-            metrics["r3/router_agreement_native"] = self._agreement(batch, native.routes)
+            assert as_trained.routes is not None and native.routes is not None
+            trained = self.worker.rollout_router_agreement(batch, as_trained.routes)
+            metrics["r3/router_agreement_trained"] = trained.agreement
+            metrics["r3/router_agreement_native"] = self.worker.rollout_agreement(
+                batch, native.routes
+            )
+            # Same mask, same batch: both agreements count the same token-layers.
+            metrics["r3/num_token_layers"] = float(trained.num_token_layers)
             if batch.rollout_logprobs is not None:
                 metrics.update(
                     logprob_mismatch(
@@ -103,27 +182,34 @@ class PolicyTrainer:
                 ).to_metrics("mismatch_trained")
             )
         batch.old_logprobs = as_trained.logprobs
-        batch.advantages = advantages
-        metrics.update(self._update(batch, replay=replay))
+        metrics.update(self._update(batch, replay=replay, mini_batch_tokens=mini_batch_tokens))
+        metrics[ROWS_KEY] = float(batch.batch_size)
         return metrics
 
-    def _agreement(self, batch: TrainingBatch, routes: torch.Tensor | None) -> float:
-        assert routes is not None
-        return self.worker.rollout_agreement(batch, routes)
-
-    def _update(self, batch: TrainingBatch, *, replay: bool) -> dict[str, float]:
-        t = self.cfg.trainer
-        mini = t.policy_mini_batch_size * self.cfg.generator.n_samples_per_prompt
+    def _update(
+        self, batch: TrainingBatch, *, replay: bool, mini_batch_tokens: Sequence[float] | None
+    ) -> dict[str, float]:
+        t, dp = self.cfg.trainer, self.info.dp_size
+        mini = t.policy_mini_batch_size * self.cfg.generator.n_samples_per_prompt // dp
         micro = t.micro_train_batch_size_per_gpu
-        losses, grad_norms, clip_fracs, tis_means = [], [], [], []
+        losses: list[float] = []
+        grad_norms: list[float] = []
+        clip_fracs: list[float] = []
+        tis_means: list[float] = []
         for _ in range(t.update_epochs_per_batch):
-            for start in range(0, batch.batch_size, mini):
+            for k, start in enumerate(range(0, batch.batch_size, mini)):
                 part = slice_batch(batch, start, min(start + mini, batch.batch_size))
                 num_micro = -(-part.batch_size // micro)
-                # Each microbatch divides by the mini-batch's token count (over the
-                # microbatch count the worker averages by), so the step is a true
-                # token mean however the mini-batch is split.
-                tokens = max(float(part.loss_mask.sum()), 1.0) / num_micro
+                global_tokens = (
+                    float(part.loss_mask.sum())
+                    if mini_batch_tokens is None
+                    else mini_batch_tokens[k]
+                )
+                # Each microbatch divides by the global mini-batch's token count over
+                # the microbatch count the worker averages by and the dp ranks whose
+                # gradients it averages, so the step is a true token mean however the
+                # mini-batch is split across microbatches and ranks.
+                tokens = max(global_tokens, 1.0) / (num_micro * dp)
 
                 loss_fn = self._loss_fn(tokens, clip_fracs, tis_means)
                 result = self.worker.train_step(
@@ -169,7 +255,15 @@ class PolicyTrainer:
     # ---- weights and checkpoints ----------------------------------------------------
 
     def push_weights(self, urls: list[str], *, api_key: str | None = None) -> dict[str, float]:
+        """Send the weights to ``urls``. A rank given no URLs still runs the export when
+        experts are sharded: the export gathers them over the EP group in lockstep."""
         from inference.client import RemoteGenerateClient
+
+        if not urls:
+            if self.info.ep_size > 1:
+                for _ in self.worker.export_weights():
+                    pass
+            return {}
 
         async def push() -> dict[str, float]:
             clients = [RemoteGenerateClient(url, api_key=api_key) for url in urls]
@@ -189,28 +283,54 @@ class PolicyTrainer:
         return {name: t.clone() for name, t in self.worker.export_weights()}
 
     def save_checkpoint(self, folder: str) -> None:
+        """Each rank writes its own shard (its experts, optimizer state and RNGs)."""
         path = Path(folder)
         path.mkdir(parents=True, exist_ok=True)
         assert self.worker.optimizer is not None
         torch.save(
             {
+                "world_size": self.info.world_size,
                 "model": self.worker.model.state_dict(),
                 "optimizer": self.worker.optimizer.state_dict(),
                 "torch_rng": torch.random.get_rng_state(),
                 "numpy_rng": np.random.get_state(),
                 "python_rng": random.getstate(),
             },
-            path / "policy.pt",
+            checkpoint_file(path, self.info.rank),
         )
 
     def load_checkpoint(self, folder: str) -> None:
-        state = torch.load(Path(folder) / "policy.pt", weights_only=False)
+        state = load_rank_state(Path(folder), rank=self.info.rank, world_size=self.info.world_size)
         assert self.worker.optimizer is not None
         self.worker.model.load_state_dict(state["model"])
         self.worker.optimizer.load_state_dict(state["optimizer"])
         torch.random.set_rng_state(state["torch_rng"])
         np.random.set_state(state["numpy_rng"])
         random.setstate(state["python_rng"])
+
+
+def checkpoint_file(folder: Path, rank: int) -> Path:
+    return folder / f"policy_rank{rank}.pt"
+
+
+def load_rank_state(folder: Path, *, rank: int, world_size: int) -> dict[str, Any]:
+    """Rank ``rank``'s saved state; refuses a checkpoint taken at another world size
+    (its expert shards and data order would not line up with this run's ranks)."""
+    path = checkpoint_file(folder, rank)
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"trainer.resume_from: expected {path.name} in {str(folder)!r} "
+            f"(one file per trainer rank), got none"
+        )
+    state = torch.load(path, weights_only=False)
+    saved = state.get("world_size")
+    if saved != world_size:
+        raise ConfigValidationError(
+            "trainer.placement.num_trainers",
+            f"expected the checkpoint's world size {saved} to resume {str(folder)!r}, "
+            f"got {world_size}",
+        )
+    return state
 
 
 def megatron_settings_of(node: Any) -> dict[str, Any]:
@@ -221,7 +341,8 @@ def megatron_settings_of(node: Any) -> dict[str, Any]:
     """
     import dataclasses
 
-    values = dataclasses.asdict(node) if dataclasses.is_dataclass(node) else dict(node)
+    is_instance = dataclasses.is_dataclass(node) and not isinstance(node, type)
+    values = dataclasses.asdict(node) if is_instance else dict(node)
     etp = values.pop("expert_tensor_parallel_size", None)
     kwargs = dict(values.get("transformer_config_kwargs") or {})
     if etp is not None:

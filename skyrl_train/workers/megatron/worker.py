@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from inference.models.tiny_moe import TinyMoEConfig
-from skyrl_train.algorithms.mismatch import router_agreement
+from skyrl_train.algorithms.mismatch import RouterAgreement, router_agreement
 from skyrl_train.dataset.batch import TrainingBatch
 from skyrl_train.errors import RouteReplayError
 from skyrl_train.workers.megatron import convert, replay
@@ -205,13 +205,19 @@ class MegatronPolicyWorker:
     def rollout_agreement(self, batch: TrainingBatch, routes: torch.Tensor) -> float:
         """Agreement of ``routes`` (``ForwardResult.routes``, this rank's routers) with
         the batch's rollout routes, over real rows the rollout captured."""
+        return self.rollout_router_agreement(batch, routes).agreement
+
+    def rollout_router_agreement(
+        self, batch: TrainingBatch, routes: torch.Tensor
+    ) -> RouterAgreement:
+        """``rollout_agreement`` with its token-layer count (to weight it across ranks)."""
         if batch.routed_experts is None:
             raise RouteReplayError("routed_experts: expected routes to compare against, got None")
         reference = batch.routed_experts[:, :, list(self._require_routers().layers)]
         skip = ~batch.attention_mask.to(torch.bool)
         if batch.router_padding_mask is not None:
             skip = skip | batch.router_padding_mask.to(torch.bool)
-        return router_agreement(routes, reference, skip).agreement
+        return router_agreement(routes, reference, skip)
 
     # ---- training -----------------------------------------------------------------
 

@@ -6,7 +6,6 @@ and importing Megatron in each actor costs most of a minute on 2 cores.
 
 from __future__ import annotations
 
-import asyncio
 import math
 import os
 import socket
@@ -17,8 +16,8 @@ from pathlib import Path
 
 import pytest
 import yarl
+from _e2e import SMALL, probe, ray_daemon_pids
 
-from inference.client import RemoteGenerateClient
 from skyrl_train.config.loader import load_config
 from skyrl_train.config.schema import PPOConfig
 from skyrl_train.entrypoints.main_base import launch
@@ -27,26 +26,6 @@ from skyrl_train.utils.tracking import read_metrics
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[3]
-SMALL = [
-    "trainer.num_steps=2",
-    "trainer.ckpt_interval=1",
-    "trainer.eval_interval=2",
-    "trainer.eval_batch_size=2",
-    "trainer.train_batch_size=2",
-    "trainer.policy_mini_batch_size=2",
-    "trainer.micro_train_batch_size_per_gpu=4",
-    "trainer.micro_forward_batch_size_per_gpu=4",
-    "generator.n_samples_per_prompt=2",
-    "generator.max_turns=2",
-    "generator.max_tokens_per_turn=4",
-    # fp32 rollouts make the resumed step reproducible bit for bit; bf16 is the
-    # default and is what the other runs exercise.
-    "generator.inference_engine.dtype=float32",
-    "logging.progress_bar=false",
-    "logging.plot=true",
-    "ray.num_cpus=2",
-]
-PROBE = {"max_tokens": 8, "temperature": 1.0, "seed": 1234}
 
 
 @dataclass
@@ -59,27 +38,16 @@ class FirstRun:
     ray_pids_before: set[int]
 
 
-def _probe(url: str) -> list[float]:
-    async def go() -> list[float]:
-        async with RemoteGenerateClient(url) as client:
-            result = await client.generate(
-                prompt_token_ids=[257, 65, 66, 10], sampling_params=PROBE
-            )
-            return list(result.logprobs)
-
-    return asyncio.run(go())
-
-
 @pytest.fixture(scope="module")
 def first_run(tmp_path_factory: pytest.TempPathFactory) -> FirstRun:
     run_dir = tmp_path_factory.mktemp("r3") / "run"
     cfg = load_config([*SMALL, f"trainer.run_dir={run_dir}"])
     os.environ["RAY_AUTH_MODE"] = "disabled"
-    ray_pids_before = _ray_daemon_pids()
+    ray_pids_before = ray_daemon_pids()
     with launch(cfg) as job:
-        before = _probe(job.server_urls[0])
+        before = probe(job.server_urls[0])
         history = job.train()
-        after = _probe(job.server_urls[0])
+        after = probe(job.server_urls[0])
         urls = list(job.server_urls)
     return FirstRun(
         cfg=cfg,
@@ -134,7 +102,7 @@ def test_nothing_left_running(first_run: FirstRun) -> None:
         with pytest.raises(OSError), socket.create_connection((parsed.host, parsed.port), 2):
             pass
     # Other Ray instances on the machine (a developer's) are not ours to judge.
-    assert _ray_daemon_pids() - first_run.ray_pids_before == set()
+    assert ray_daemon_pids() - first_run.ray_pids_before == set()
 
 
 def test_resume_reproduces_the_next_step(first_run: FirstRun, tmp_path: Path) -> None:
@@ -166,16 +134,3 @@ def test_resume_reproduces_the_next_step(first_run: FirstRun, tmp_path: Path) ->
         if key == "step" or key.startswith("timing/") or key.endswith("wall_s"):
             continue
         assert value == pytest.approx(expected[key], rel=1e-5, abs=1e-7), key
-
-
-def _ray_daemon_pids() -> set[int]:
-    pids = set()
-    for pid in os.listdir("/proc"):
-        if pid.isdigit():
-            try:
-                name = Path(f"/proc/{pid}/comm").read_text().strip()
-            except OSError:
-                continue
-            if name in ("raylet", "gcs_server"):
-                pids.add(int(pid))
-    return pids

@@ -1,0 +1,136 @@
+"""``trainer.placement.num_trainers`` policy actors on Ray, driven as one policy.
+
+The driver shards each collated batch by data-parallel rank and sends every actor only
+its own shard (one ``ray.put`` per shard); all ranks train concurrently, since they
+meet in collectives (gradient all-reduce, expert all-gather), and their metrics come
+back as one dict (``data_parallel.combine_rank_metrics``). Weight export gathers
+experts over the EP group, so every rank exports and only rank 0 pushes to the
+servers. Checkpoints hold one file per rank.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from typing import Any
+
+import torch
+
+from skyrl_train.config.schema import PPOConfig
+from skyrl_train.dataset.batch import TrainingBatch
+from skyrl_train.trainer.data_parallel import (
+    ROWS_KEY,
+    combine_rank_metrics,
+    mini_batch_token_counts,
+    shard_mini_batches,
+)
+from skyrl_train.trainer.policy import PolicyTrainer, RankInfo
+
+
+class PolicyGroup:
+    """The policy actors of one run. ``place`` starts them, ``setup`` builds the
+    models (joining torch.distributed), ``kill`` removes them; a group that failed
+    half-way through setup can still be killed."""
+
+    def __init__(self, cfg: PPOConfig, actors: list[Any]) -> None:
+        self.cfg = cfg
+        self.actors = actors
+        self.ranks: list[RankInfo] = []
+        self.received_rows: list[int] = []
+        """Rows each rank reported training on in the last ``train`` call (by rank)."""
+
+    @classmethod
+    def place(cls, cfg: PPOConfig, *, pad_token_id: int) -> PolicyGroup:
+        """One actor per trainer rank, ``cpus_per_trainer`` CPUs each (not built yet)."""
+        import ray
+
+        placement = cfg.trainer.placement
+        remote = ray.remote(PolicyTrainer).options(num_cpus=placement.cpus_per_trainer)
+        actors = [
+            remote.remote(cfg, pad_token_id=pad_token_id) for _ in range(placement.num_trainers)
+        ]
+        return cls(cfg, actors)
+
+    @property
+    def world_size(self) -> int:
+        return len(self.actors)
+
+    @property
+    def dp_size(self) -> int:
+        return self.ranks[0].dp_size
+
+    def setup(self) -> list[RankInfo]:
+        """Rendezvous at rank 0's node and build every rank's worker concurrently
+        (``init_process_group`` blocks until all ranks have joined)."""
+        import ray
+
+        addr, port = ray.get(self.actors[0].rendezvous_address.remote())
+        refs = [
+            actor.setup.remote(
+                rank=rank, world_size=self.world_size, master_addr=addr, master_port=port
+            )
+            for rank, actor in enumerate(self.actors)
+        ]
+        # Raise as soon as one rank fails: the others wait in init_process_group for
+        # it (gloo's default timeout is 30 minutes) until the teardown kills them.
+        pending = refs
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1)
+            ray.get(done)
+        self.ranks = list(ray.get(refs))
+        return self.ranks
+
+    def kill(self) -> None:
+        import ray
+
+        for actor in self.actors:
+            ray.kill(actor)
+        self.actors = []
+
+    # ---- training -------------------------------------------------------------------
+
+    async def train(self, batch: TrainingBatch, advantages: torch.Tensor) -> dict[str, float]:
+        """One GRPO policy update over ``batch`` (advantages computed on the full batch)."""
+        import ray
+
+        if not self.ranks:
+            raise RuntimeError("PolicyGroup: call setup() first")
+        t = self.cfg.trainer
+        mini = t.policy_mini_batch_size * self.cfg.generator.n_samples_per_prompt
+        full = dataclasses.replace(batch, advantages=advantages)
+        shards = [
+            ray.put(shard)
+            for shard in shard_mini_batches(full, mini_batch_size=mini, dp_size=self.dp_size)
+        ]
+        tokens = mini_batch_token_counts(full, mini_batch_size=mini)
+        per_rank = await _all(
+            actor.train.remote(shards[info.dp_rank], mini_batch_tokens=tokens)
+            for actor, info in zip(self.actors, self.ranks, strict=True)
+        )
+        self.received_rows = [int(metrics[ROWS_KEY]) for metrics in per_rank]
+        # Ranks that share a dp rank (tensor/pipeline peers) trained the same rows.
+        seen = {info.dp_rank: metrics for info, metrics in zip(self.ranks, per_rank, strict=True)}
+        return combine_rank_metrics([seen[r] for r in sorted(seen)])
+
+    async def push_weights(
+        self, urls: list[str], *, api_key: str | None = None
+    ) -> dict[str, float]:
+        stats = await _all(
+            actor.push_weights.remote(urls if rank == 0 else [], api_key=api_key)
+            for rank, actor in enumerate(self.actors)
+        )
+        return stats[0]
+
+    # ---- checkpoints ------------------------------------------------------------------
+
+    async def save_checkpoint(self, folder: str) -> None:
+        await _all(actor.save_checkpoint.remote(folder) for actor in self.actors)
+
+    async def load_checkpoint(self, folder: str) -> None:
+        await _all(actor.load_checkpoint.remote(folder) for actor in self.actors)
+
+
+async def _all(refs: Any) -> list[Any]:
+    # gather raises on the first failure; ranks still blocked in a collective with
+    # the failed one are killed by the launch's teardown, not waited for.
+    return list(await asyncio.gather(*refs))

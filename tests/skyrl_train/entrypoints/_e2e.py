@@ -1,0 +1,74 @@
+"""Shared by the end-to-end launch tests: tiny run sizes, a fixed-seed probe of a
+server's weights, and the Ray daemons / actor processes alive on this machine."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+
+from inference.client import RemoteGenerateClient
+
+SMALL = [
+    "trainer.num_steps=2",
+    "trainer.ckpt_interval=1",
+    "trainer.eval_interval=2",
+    "trainer.eval_batch_size=2",
+    "trainer.train_batch_size=2",
+    "trainer.policy_mini_batch_size=2",
+    "trainer.micro_train_batch_size_per_gpu=4",
+    "trainer.micro_forward_batch_size_per_gpu=4",
+    "generator.n_samples_per_prompt=2",
+    "generator.max_turns=2",
+    "generator.max_tokens_per_turn=4",
+    # fp32 rollouts make the resumed step reproducible bit for bit; bf16 is the
+    # default and is what the other runs exercise.
+    "generator.inference_engine.dtype=float32",
+    "logging.progress_bar=false",
+    "logging.plot=true",
+    "ray.num_cpus=2",
+]
+PROBE = {"max_tokens": 8, "temperature": 1.0, "seed": 1234}
+
+
+def with_overrides(base: list[str], *overrides: str) -> list[str]:
+    """``base`` with each ``key=value`` in ``overrides`` replacing the same key."""
+    keys = {item.split("=", 1)[0] for item in overrides}
+    return [item for item in base if item.split("=", 1)[0] not in keys] + list(overrides)
+
+
+def probe(url: str) -> list[float]:
+    """Logprobs of a fixed-seed sample: they change when the server's weights do."""
+
+    async def go() -> list[float]:
+        async with RemoteGenerateClient(url) as client:
+            result = await client.generate(
+                prompt_token_ids=[257, 65, 66, 10], sampling_params=PROBE
+            )
+            return list(result.logprobs)
+
+    return asyncio.run(go())
+
+
+def ray_daemon_pids() -> set[int]:
+    return _pids(
+        lambda pid: Path(f"/proc/{pid}/comm").read_text().strip() in ("raylet", "gcs_server")
+    )
+
+
+def ray_actor_pids(class_name: str) -> set[int]:
+    """Processes Ray titled ``ray::<class_name>`` (an actor's worker, alive or idle)."""
+    marker = f"ray::{class_name}".encode()
+    return _pids(lambda pid: Path(f"/proc/{pid}/cmdline").read_bytes().startswith(marker))
+
+
+def _pids(matches) -> set[int]:  # type: ignore[no-untyped-def]
+    pids = set()
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                if matches(pid):
+                    pids.add(int(pid))
+            except OSError:
+                continue
+    return pids
