@@ -4,7 +4,7 @@ Measured on a 2-core machine (97 MiB body, 90 MiB of route base64): ``orjson.loa
 of everything then decoding each ``str`` takes 218 ms; splicing the blobs out and
 parsing the 7 MiB remainder takes 88 ms, at its floor. How:
 
-1. One forward scan with ``bytes.find`` for ``"data"``. At each hit, look *back*
+1. One forward scan with ``bytes.find`` for ``"data``. At each hit, look *back*
    over optional JSON whitespace for ``{`` ``:`` and a registered key whose opening
    quote is not escaped, and forward for ``:`` ``"``. Only such a hit is an envelope
    of a registered field; the blob runs to the next ``"`` (base64 has no quotes or
@@ -43,9 +43,13 @@ DEFAULT_FIELDS: Final[tuple[PackedField, ...]] = tuple(PackedField)
 _WS: Final = frozenset(b" \t\n\r")
 _QUOTE: Final = 0x22
 _BACKSLASH: Final = 0x5C
-_DATA: Final = b'"data"'
-# After `"data"`: optional whitespace, colon, optional whitespace, opening quote.
-_AFTER_DATA: Final = re.compile(rb'[ \t\n\r]*:[ \t\n\r]*"')
+# The scan looks for `"data` and checks the closing quote in _AFTER_DATA: a needle
+# ending in `a` rather than in JSON's most frequent byte `"` lets bytes.find skip
+# ahead more often (30 MiB of chat-style remainder: 19 ms vs 27 ms, measured).
+_DATA: Final = b'"data'
+# After `"data`: closing quote, optional whitespace, colon, optional whitespace,
+# opening quote.
+_AFTER_DATA: Final = re.compile(rb'"[ \t\n\r]*:[ \t\n\r]*"')
 
 
 def _skip_ws_back(buf: bytes | bytearray, i: int) -> int:

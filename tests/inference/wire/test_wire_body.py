@@ -231,3 +231,40 @@ def test_gc_state_is_restored() -> None:
     with pytest.raises(WireError):
         load_packed_body(b'{"choices": [')
     assert gc.isenabled()
+
+
+def test_usual_layout_restores_without_the_generic_walk(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The generic walk costs 30-180 ms on a real rollout body; envelopes at
+    # choices[i].<key>, in document order, must be restored without it.
+    import inference.wire.body as body_module
+
+    calls: list[int] = []
+    walk = body_module._restore_walk
+
+    def counting_walk(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        return walk(*args, **kwargs)
+
+    monkeypatch.setattr(body_module, "_restore_walk", counting_walk)
+    choices = [_choice(i) for i in range(3)]
+    choices[1]["routed_experts"] = None
+    raw = json.dumps(orjson.loads(orjson.dumps({"choices": choices})), indent=1).encode()
+    doc = load_packed_body(raw)
+    assert calls == []
+    _assert_spliced(doc, raw, (0, "routed_experts"), (2, "rollout_sample_support_logprobs"))
+    nested = {"choices": [{"meta": {"routed_experts": pack_routed_experts(_routes(8))}}]}
+    doc = load_packed_body(orjson.dumps(nested))
+    assert calls == [1]
+    assert isinstance(doc["choices"][0]["meta"]["routed_experts"]["data"], memoryview)
+
+
+def test_keys_that_merely_start_with_data_are_not_spliced() -> None:
+    # The scan looks for `"data` and then requires the closing quote: "database" or
+    # "data_v2" as an envelope's first key is no envelope.
+    env = pack_routed_experts(_routes(9))
+    lookalike = {"database": env["data"], "shape": env["shape"], "dtype": env["dtype"]}
+    top = {"routed_experts": lookalike, "choices": [{"routed_experts": None}]}
+    assert load_packed_body(orjson.dumps(top)) == top
+    raw = orjson.dumps({"choices": [{"routed_experts": {"data_v2": env["data"]}}]})
+    with pytest.raises(WireError, match=r"\$\.choices\[0\]\.routed_experts: expected a packed"):
+        load_packed_body(raw)

@@ -70,6 +70,38 @@ def test_routes_above_int32_and_negative_are_refused() -> None:
         decode_packed_routed_experts(env, path="$.choices[2].routed_experts")
 
 
+@pytest.mark.parametrize("dtype", ["int16", "int32"])
+@pytest.mark.parametrize("negative", [-1, -2, "min"])
+def test_negative_ids_beside_a_large_max_are_refused(dtype: str, negative: int | str) -> None:
+    # The one-pass check views ids as unsigned: a negative must not hide behind (or
+    # be mistaken for) a large positive id, and the error names the smallest id.
+    info = np.iinfo(dtype)
+    low = info.min if negative == "min" else int(negative)
+    routes = np.full((3, 2, 2), 300, dtype=dtype)
+    routes[0, 0, 0] = info.max
+    routes[2, 1, 1] = low
+    env = pack_ndarray(routes, allowed_dtypes=[dtype])
+    with pytest.raises(WireError, match=f"non-negative expert ids, got {low}") as err:
+        decode_packed_routed_experts(env, path="$.choices[1].routed_experts")
+    assert err.value.field == "$.choices[1].routed_experts"
+    with pytest.raises(WireError, match=f"non-negative expert ids, got {low}"):
+        pack_routed_experts(routes.astype(np.int64))
+
+
+@pytest.mark.parametrize(
+    ("source", "max_id", "wire"),
+    [("uint16", 255, "uint8"), ("uint16", 300, "int16"), ("uint64", 2**31 - 1, "int32")],
+)
+def test_unsigned_input_is_packed_canonically(source: str, max_id: int, wire: str) -> None:
+    routes = np.zeros((2, 1, 2), dtype=source)
+    routes[1, 0, 1] = max_id
+    env = pack_routed_experts(routes)
+    assert env["dtype"] == wire
+    np.testing.assert_array_equal(decode_packed_routed_experts(env), routes)
+    with pytest.raises(WireError, match="expected expert ids <= 2147483647"):
+        pack_routed_experts(np.full((1, 1, 1), 2**31, dtype=np.uint64))
+
+
 def test_non_canonical_declared_dtype_is_refused() -> None:
     wide = pack_ndarray(np.full((2, 1, 1), 7, dtype=np.int32), allowed_dtypes=["int32"])
     with pytest.raises(WireError) as info:
