@@ -11,7 +11,7 @@ from typing import Any
 
 from inference.client.results import GenerateResult
 from inference.errors import GenerateProtocolError, WireError
-from inference.wire import PackedField, decode_packed_routed_experts, decode_sample_support
+from inference.wire import PackedField, decode_packed_routed_experts, decode_packed_sample_support
 
 _CHOICE = "$.choices[0]"
 
@@ -55,7 +55,7 @@ def decode_side_channels(
                 )
             result.routed_experts = routes
         if want_support:
-            ids, logprobs = decode_sample_support(
+            ids, logprobs = decode_packed_sample_support(
                 _envelope(choice, PackedField.ROLLOUT_SAMPLE_SUPPORT),
                 _envelope(choice, PackedField.ROLLOUT_SAMPLE_SUPPORT_LOGPROBS),
                 path=_CHOICE,

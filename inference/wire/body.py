@@ -36,7 +36,7 @@ from typing import Any, Final
 import orjson
 
 from inference.errors import WireError
-from inference.wire.fields import PackedField
+from inference.wire.fields import PackedField, as_fields
 
 DEFAULT_FIELDS: Final[tuple[PackedField, ...]] = tuple(PackedField)
 
@@ -239,7 +239,7 @@ def _restore_walk(doc: Any, splice: _Splice, keys: frozenset[str]) -> list[dict[
 
 
 def load_packed_body(
-    raw: bytes | bytearray | memoryview, *, fields: Iterable[PackedField] = DEFAULT_FIELDS
+    raw: bytes | bytearray | memoryview, *, fields: Iterable[PackedField | str] = DEFAULT_FIELDS
 ) -> Any:
     """Parse a JSON body whose registered envelopes keep ``data`` as a memoryview into ``raw``.
 
@@ -249,7 +249,7 @@ def load_packed_body(
     copied once. Errors are :class:`WireError`; a non-bytes ``raw`` is a TypeError.
     """
     buf = _as_bytes(raw)
-    keys = tuple(dict.fromkeys(field.key for field in fields))
+    keys = tuple(dict.fromkeys(field.key for field in as_fields(fields)))
     # Longest first, so "rollout_sample_support_logprobs" is tried before its prefix.
     key_bytes = tuple(sorted((k.encode() for k in keys), key=len, reverse=True))
     splice, remainder = _scan(buf, key_bytes)

@@ -145,8 +145,22 @@ class FieldSpec:
     coerce: Coercer
 
 
-class PackedField(Enum):
-    """Registry of packed response fields (``choices[i].<key>``: envelope or null)."""
+class PackedField(str, Enum):
+    """Registry of packed response fields (``choices[i].<key>``: envelope or null).
+
+    Members are their JSON key (``PackedField.ROUTED_EXPERTS == "routed_experts"``,
+    ``PackedField("routed_experts")``) and carry their :class:`FieldSpec`; adding a
+    field is one entry. Use ``.key`` (a plain ``str``) as a dict key for orjson,
+    which refuses ``str`` subclasses as keys.
+    """
+
+    spec: FieldSpec
+
+    def __new__(cls, spec: FieldSpec) -> PackedField:
+        member = str.__new__(cls, spec.key)
+        member._value_ = spec.key
+        member.spec = spec
+        return member
 
     # [tokens, layers, topk] expert ids, canonical smallest dtype.
     ROUTED_EXPERTS = FieldSpec("routed_experts", ROUTE_DTYPES, 3, _validate_routes, _coerce_routes)
@@ -165,11 +179,7 @@ class PackedField(Enum):
 
     @property
     def key(self) -> str:
-        return self.value.key
-
-    @property
-    def spec(self) -> FieldSpec:
-        return self.value
+        return self.spec.key
 
     @classmethod
     def from_key(cls, key: str) -> PackedField:
@@ -177,6 +187,22 @@ class PackedField(Enum):
             if field.key == key:
                 return field
         raise KeyError(key)
+
+    def __str__(self) -> str:
+        return self.spec.key
+
+
+def as_fields(fields: Iterable[PackedField | str]) -> tuple[PackedField, ...]:
+    """Registry members for ``fields`` given as members or their keys; an unknown key
+    is a ValueError naming the registered ones."""
+    out = []
+    for field in fields:
+        try:
+            out.append(PackedField.from_key(str(field)))
+        except KeyError:
+            known = [f.key for f in PackedField]
+            raise ValueError(f"fields: expected registered keys {known}, got {field!r}") from None
+    return tuple(out)
 
 
 def pack_field(
@@ -246,7 +272,7 @@ def pack_sample_support(ids: Any, logprobs: Any, *, path: str = "$") -> tuple[di
     return ids_env, lp_env
 
 
-def decode_sample_support(
+def decode_packed_sample_support(
     ids_payload: Mapping[str, Any], logprobs_payload: Mapping[str, Any], *, path: str = "$"
 ) -> tuple[np.ndarray, np.ndarray]:
     """Decode the support pair and check both have the same ``[tokens, k]`` shape."""
@@ -265,7 +291,7 @@ def decode_sample_support(
 def decode_packed_fields(
     choice: Mapping[str, Any],
     *,
-    fields: Iterable[PackedField] = tuple(PackedField),
+    fields: Iterable[PackedField | str] = tuple(PackedField),
     path: str = "$.choices[0]",
 ) -> dict[str, np.ndarray]:
     """Decode every registered field present and non-null in one parsed choice.
@@ -276,7 +302,7 @@ def decode_packed_fields(
     if not isinstance(choice, Mapping):
         raise TypeError(f"{path}: expected a mapping choice, got {type(choice).__name__}")
     out: dict[str, np.ndarray] = {}
-    for field in fields:
+    for field in as_fields(fields):
         payload = choice.get(field.key)
         if payload is not None:
             out[field.key] = decode_packed_field(field, payload, path=f"{path}.{field.key}")

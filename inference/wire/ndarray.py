@@ -10,6 +10,7 @@ from __future__ import annotations
 import binascii
 import sys
 from collections.abc import Collection, Mapping
+from enum import Enum
 from typing import Any, Final
 
 import numpy as np
@@ -21,17 +22,21 @@ from inference.errors import WireError
 DTypeLike = npt.DTypeLike
 
 
-class PackedArrayKey:
-    """The envelope's own keys, in wire order (data first). Plain ``str`` constants:
-    orjson refuses ``str`` subclasses (an ``Enum``/``StrEnum``) as dict keys."""
+class PackedArrayKey(str, Enum):
+    """The envelope's own keys, in wire order (data first, so a byte scan finds the
+    base64 right after the field name). Members compare equal to their key; write
+    ``.value`` (a plain ``str``) into dicts, since orjson refuses ``str`` subclasses
+    as keys."""
 
-    DATA: Final = "data"
-    SHAPE: Final = "shape"
-    DTYPE: Final = "dtype"
-    ORDER: Final = (DATA, SHAPE, DTYPE)
+    DATA = "data"
+    SHAPE = "shape"
+    DTYPE = "dtype"
 
 
-_ENVELOPE_KEYS: Final = frozenset(PackedArrayKey.ORDER)
+_DATA: Final = PackedArrayKey.DATA.value
+_SHAPE: Final = PackedArrayKey.SHAPE.value
+_DTYPE: Final = PackedArrayKey.DTYPE.value
+_ENVELOPE_KEYS: Final = frozenset((_DATA, _SHAPE, _DTYPE))
 
 
 def dtype_names(allowed_dtypes: Collection[DTypeLike]) -> frozenset[str]:
@@ -66,9 +71,9 @@ def pack_ndarray(
     # ascontiguousarray copies only non-contiguous (sliced, transposed) input.
     data = np.ascontiguousarray(arr, dtype=wire_dtype)
     envelope: dict[str, Any] = {
-        PackedArrayKey.DATA: pybase64.b64encode_as_string(data.data),
-        PackedArrayKey.SHAPE: [int(d) for d in arr.shape],
-        PackedArrayKey.DTYPE: arr.dtype.name,
+        _DATA: pybase64.b64encode_as_string(data.data),
+        _SHAPE: [int(d) for d in arr.shape],
+        _DTYPE: arr.dtype.name,
     }
     for key, value in (extra or {}).items():
         if type(key) is not str:
@@ -118,16 +123,16 @@ def unpack_ndarray(
     """
     if not isinstance(payload, Mapping):
         raise TypeError(f"{path}: expected a mapping envelope, got {type(payload).__name__}")
-    for key in PackedArrayKey.ORDER:
+    for key in (_DATA, _SHAPE, _DTYPE):
         if key not in payload:
             raise WireError(f"{path}.{key}", "an envelope key", f"keys {list(payload)}")
     allowed = dtype_names(allowed_dtypes)
-    dtype_name = payload[PackedArrayKey.DTYPE]
+    dtype_name = payload[_DTYPE]
     if not isinstance(dtype_name, str) or dtype_name not in allowed:
         raise WireError(f"{path}.dtype", f"one of {sorted(allowed)}", dtype_name)
-    shape = _check_shape(payload[PackedArrayKey.SHAPE], ndim=ndim, path=path)
+    shape = _check_shape(payload[_SHAPE], ndim=ndim, path=path)
     dtype = _little_endian(np.dtype(dtype_name))
-    buf = decode_base64(payload[PackedArrayKey.DATA], path=path)
+    buf = decode_base64(payload[_DATA], path=path)
     count = 1
     for dim in shape:
         count *= dim  # Python ints: a hostile shape cannot overflow the check

@@ -11,7 +11,7 @@ from inference.wire import (
     PackedField,
     decode_packed_fields,
     decode_packed_routed_experts,
-    decode_sample_support,
+    decode_packed_sample_support,
     pack_field,
     pack_ndarray,
     pack_routed_experts,
@@ -142,7 +142,7 @@ def test_sample_support_pair() -> None:
     lps = np.array([[-0.1, -2.0, -np.inf], [-0.01, -np.inf, -np.inf], [-1, -2, -3]])
     ids_env, lp_env = pack_sample_support(ids, lps)
     assert ids_env["dtype"] == "int32" and lp_env["dtype"] == "float32"
-    out_ids, out_lps = decode_sample_support(ids_env, lp_env, path="$.choices[0]")
+    out_ids, out_lps = decode_packed_sample_support(ids_env, lp_env, path="$.choices[0]")
     np.testing.assert_array_equal(out_ids, ids)
     np.testing.assert_array_equal(out_lps, lps.astype(np.float32))
 
