@@ -41,7 +41,7 @@ class ModelConfig:
     rms_norm_eps: float = 1e-6
     norm_topk_prob: bool = True
     tie_word_embeddings: bool = False
-    initializer_range: float = 0.02
+    initializer_range: float = 0.2
     seed: int = 0
     """Seeds the random initial weights (engine and trainer start from the same ones)."""
     path: str | None = None

@@ -84,6 +84,8 @@ def test_metrics_are_written_per_step(first_run: FirstRun) -> None:
 
 def test_weights_changed_on_the_server_after_sync(first_run: FirstRun) -> None:
     assert len(first_run.before) == len(first_run.after) > 0
+    # Precondition: some group had different rewards, so the update was not zero.
+    assert max(step["reward/std"] for step in first_run.history) > 0
     assert first_run.before != first_run.after
 
 
@@ -133,4 +135,7 @@ def test_resume_reproduces_the_next_step(first_run: FirstRun, tmp_path: Path) ->
     for key, value in rows[0].items():
         if key == "step" or key.startswith("timing/") or key.endswith("wall_s"):
             continue
-        assert value == pytest.approx(expected[key], rel=1e-5, abs=1e-7), key
+        # abs 1e-5: the engine batches concurrent requests as they arrive, and a
+        # different grouping moves fp32 logprobs by ~1e-6; the rollout-vs-trainer
+        # mismatch figures are differences of exactly such numbers.
+        assert value == pytest.approx(expected[key], rel=1e-5, abs=1e-5), key
