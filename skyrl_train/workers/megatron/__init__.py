@@ -11,6 +11,8 @@ import warnings
 # megatron-core warns once per module that Apex / Transformer Engine are missing; on
 # CPU that is the expected setup, and the six warnings buried every run's first lines.
 warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine).*(not installed|Falling)")
+# TransformerConfig's own default cuda_graph_scope trips its deprecation warning.
+warnings.filterwarnings("ignore", message=r"full scope is deprecated")
 
 from skyrl_train.workers.megatron.layout import shard_for_data_parallel_rank  # noqa: E402
 from skyrl_train.workers.megatron.settings import MegatronSettings  # noqa: E402
