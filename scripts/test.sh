@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Installs the project with its test tools, then runs ruff, mypy on inference/wire
-# and the whole pytest suite. The README's second command and .ci/run both call this.
+# Installs the project with its test tools, then runs ruff, mypy over the packages
+# (inference/wire included) and the whole pytest suite. The README's second command
+# and .ci/run both call this.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 RAY_USAGE_STATS_ENABLED=0 PYTHONUNBUFFERED=1
@@ -10,5 +11,5 @@ PY=${PYTHON:-python3}
 "$PY" -m pip install -q -e ".[dev]"
 "$PY" -m ruff check .
 "$PY" -m ruff format --check .
-"$PY" -m mypy inference/wire
+"$PY" -m mypy inference skyrl_train skyrl_gym
 "$PY" -m pytest -q "$@"

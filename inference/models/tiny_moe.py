@@ -85,6 +85,9 @@ class TinyMoEConfig:
     def to_hf_config(self) -> Any:
         from transformers import Qwen3MoeConfig
 
+        # head_dim is not in Qwen3MoeConfig's signature but its attention reads it
+        # (without it head_dim would silently be hidden_size / heads).
+        extra: dict[str, Any] = {"head_dim": self.head_dim}
         return Qwen3MoeConfig(
             vocab_size=self.vocab_size,
             hidden_size=self.hidden_size,
@@ -93,18 +96,18 @@ class TinyMoEConfig:
             num_hidden_layers=self.num_layers,
             num_attention_heads=self.num_attention_heads,
             num_key_value_heads=self.num_kv_heads,
-            head_dim=self.head_dim,
             num_experts=self.num_experts,
             num_experts_per_tok=self.top_k,
             norm_topk_prob=self.norm_topk_prob,
             decoder_sparse_step=1,
             mlp_only_layers=[],
             max_position_embeddings=self.max_position_embeddings,
-            rope_theta=self.rope_theta,
+            rope_parameters={"rope_type": "default", "rope_theta": self.rope_theta},
             rms_norm_eps=self.rms_norm_eps,
             tie_word_embeddings=self.tie_word_embeddings,
             initializer_range=self.initializer_range,
             output_router_logits=False,
+            **extra,
         )
 
 
@@ -115,7 +118,7 @@ def build_hf_model(config: TinyMoEConfig, *, seed: int, dtype: torch.dtype = tor
     generator_state = torch.random.get_rng_state()
     try:
         torch.manual_seed(seed)
-        model = Qwen3MoeForCausalLM(config.to_hf_config())
+        model: Any = Qwen3MoeForCausalLM(config.to_hf_config())
     finally:
         torch.random.set_rng_state(generator_state)
     return model.to(dtype).eval()
