@@ -66,7 +66,7 @@ class TokenMetadataTrace:
         self._dtype: np.dtype | None = None
 
     @property
-    def rows(self) -> int:
+    def num_rows(self) -> int:
         return self._rows
 
     @property
@@ -86,10 +86,10 @@ class TokenMetadataTrace:
         return RouteTraceError(f"trajectory {self.trajectory_id} turn {turn}: {self.field}{what}")
 
     def append(self, chunk: np.ndarray, *, expected_rows: int, turn: int | None = None) -> None:
-        """Append one turn's rows; ``turn`` (for messages) defaults to the chunk count."""
+        """Append one turn's rows; raises RouteTraceError naming trajectory and turn
+        (``turn``, for messages, defaults to the number of chunks so far)."""
         if turn is None:
             turn = len(self._chunks)
-        """Append one turn's rows; raises RouteTraceError naming trajectory and turn."""
         if not isinstance(chunk, np.ndarray):
             raise self._fail(turn, f": expected a numpy array, got {type(chunk).__name__}")
         if chunk.ndim < 1:
@@ -170,11 +170,11 @@ class RoutedExpertTrace:
     @property
     def prompt_start(self) -> int:
         """Rows captured so far; send it as the next turn's routed_experts_prompt_start."""
-        return self._trace.rows
+        return self._trace.num_rows
 
     @property
     def rows(self) -> int:
-        return self._trace.rows
+        return self._trace.num_rows
 
     def record_generation(
         self,
@@ -247,7 +247,7 @@ class RoutedExpertTrace:
             raise RouteTraceError(
                 f"trajectory {tid}: loss_mask: expected 0/1 values, got {np.unique(mask)}"
             )
-        rows = min(self._trace.rows, n)
+        rows = min(self._trace.num_rows, n)
         active = np.flatnonzero(mask)
         # Token t needs row t-1: token 0 has no predecessor, t > rows was predicted by
         # a token that was never fed (the trailing-EOS failure mode).

@@ -179,7 +179,7 @@ def test_token_metadata_trace_general_rules():
     trace = TokenMetadataTrace("traj-m", field="support", kind="int", trailing_shape=(4,))
     trace.append(np.zeros((2, 4), np.uint8), expected_rows=2, turn=0)
     trace.append(np.full((1, 4), -5, np.int8), expected_rows=1, turn=1)  # uint8+int8 -> int16
-    assert trace.dtype == np.int16 and trace.rows == 3
+    assert trace.dtype == np.int16 and trace.num_rows == 3
     np.testing.assert_array_equal(trace.array()[2], [-5] * 4)
     assert trace.array(rows=1).shape == (1, 4)
     with pytest.raises(RouteTraceError, match=r"traj-m turn 2: support.rows: expected 3, got 2"):
