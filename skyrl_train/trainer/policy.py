@@ -164,9 +164,9 @@ class PolicyTrainer:
             assert as_trained.routes is not None and native.routes is not None
             trained = self.worker.rollout_router_agreement(batch, as_trained.routes)
             metrics["r3/router_agreement_trained"] = trained.agreement
-            metrics["r3/router_agreement_native"] = self.worker.rollout_agreement(
+            metrics["r3/router_agreement_native"] = self.worker.rollout_router_agreement(
                 batch, native.routes
-            )
+            ).agreement
             # Same mask, same batch: both agreements count the same token-layers.
             metrics["r3/num_token_layers"] = float(trained.num_token_layers)
             if batch.rollout_logprobs is not None:

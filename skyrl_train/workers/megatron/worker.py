@@ -200,17 +200,14 @@ class MegatronPolicyWorker:
             capture_routes=True,
         )
         assert result.routes is not None
-        return self.rollout_agreement(batch, result.routes)
-
-    def rollout_agreement(self, batch: TrainingBatch, routes: torch.Tensor) -> float:
-        """Agreement of ``routes`` (``ForwardResult.routes``, this rank's routers) with
-        the batch's rollout routes, over real rows the rollout captured."""
-        return self.rollout_router_agreement(batch, routes).agreement
+        return self.rollout_router_agreement(batch, result.routes).agreement
 
     def rollout_router_agreement(
         self, batch: TrainingBatch, routes: torch.Tensor
     ) -> RouterAgreement:
-        """``rollout_agreement`` with its token-layer count (to weight it across ranks)."""
+        """Agreement of ``routes`` (``ForwardResult.routes``, this rank's routers) with
+        the batch's rollout routes over real rows the rollout captured, with the
+        token-layer count that weights it across ranks."""
         if batch.routed_experts is None:
             raise RouteReplayError("routed_experts: expected routes to compare against, got None")
         reference = batch.routed_experts[:, :, list(self._require_routers().layers)]
