@@ -29,6 +29,9 @@ SMALL = [
     # default and is what the other runs exercise.
     "generator.inference_engine.dtype=float32",
     "logging.progress_bar=false",
+    # Delta sync end to end (full is the default and what the other runs exercise):
+    # the weights-changed checks then prove changed tensors really are sent.
+    "trainer.weight_sync.mode=delta",
     "logging.plot=true",
     "ray.num_cpus=2",
 ]
