@@ -225,7 +225,7 @@ class GymGenerator:
         if traj.trace is not None:
             traj.routes = traj.trace.finalize(
                 token_count=len(traj.tokens), loss_mask=[0] * len(traj.prompt_ids) + traj.loss_mask
-            ).routed_experts
+            ).captured_routes
         return traj
 
     async def _request(

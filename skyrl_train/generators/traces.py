@@ -131,17 +131,24 @@ class TokenMetadataTrace:
 
 
 class RouteTraceResult(NamedTuple):
-    """A finalized route trace, shaped for ``GeneratorOutput.routed_experts``; unpacks
-    as ``routes, captured = trace.finalize(...)``."""
+    """A finalized route trace; unpacks as ``routes, captured = trace.finalize(...)``."""
 
     routed_experts: np.ndarray
-    """[rows, layers, topk]: row t is the routing of token t, for t < rows."""
+    """[token_count, layers, topk]: row t is the routing of token t where ``captured[t]``;
+    rows never captured (the last token, say) hold ``arange(topk)``, the padding the
+    collation uses too (K distinct experts, as Megatron's dropless dispatcher needs)."""
     captured: np.ndarray
     """[token_count] bool: True where token t has a route row (exactly t < rows)."""
 
     @property
     def rows(self) -> int:
-        return int(self.routed_experts.shape[0])
+        """How many leading rows were captured."""
+        return int(self.captured.sum())
+
+    @property
+    def captured_routes(self) -> np.ndarray:
+        """The captured prefix ``[rows, layers, topk]``: ``GeneratorOutput.routed_experts``."""
+        return self.routed_experts[: self.rows]
 
 
 class RoutedExpertTrace:
@@ -260,7 +267,12 @@ class RoutedExpertTrace:
                 f"(a token appended after the last routed token, such as an EOS, must "
                 f"carry loss mask 0)"
             )
-        routes = self._trace.array(rows=rows)
-        if routes.ndim != 3:
-            routes = np.zeros(_EMPTY_ROUTES_SHAPE, dtype=np.uint8)
+        captured = self._trace.array(rows=rows)
+        if captured.ndim != 3:  # nothing was ever recorded: no [layers, topk] to pad with
+            captured = np.zeros(_EMPTY_ROUTES_SHAPE, dtype=np.uint8)
+            return RouteTraceResult(captured, np.zeros(n, dtype=bool))
+        _, layers, topk = captured.shape
+        routes = np.empty((n, layers, topk), dtype=captured.dtype)
+        routes[:rows] = captured
+        routes[rows:] = np.arange(topk, dtype=captured.dtype)
         return RouteTraceResult(routed_experts=routes, captured=np.arange(n) < rows)

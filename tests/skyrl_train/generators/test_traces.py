@@ -35,8 +35,14 @@ def test_multi_turn_stitching_matches_one_forward_of_the_final_sequence():
     n = 14
     mask = [0] * 5 + [1] * 3 + [0] * 4 + [1] * 2
     result = trace.finalize(token_count=n, loss_mask=mask)
-    np.testing.assert_array_equal(result.routed_experts, routes(range(13)))
+    np.testing.assert_array_equal(result.captured_routes, routes(range(13)))
     assert result.rows == 13 and result.captured.tolist() == [True] * 13 + [False]
+    # One row per token; the uncaptured last token's row is arange(K) padding.
+    assert result.routed_experts.shape == (n, L, K)
+    np.testing.assert_array_equal(result.routed_experts[:13], routes(range(13)))
+    np.testing.assert_array_equal(result.routed_experts[13], np.tile(np.arange(K), (L, 1)))
+    routes_out, captured = result
+    assert routes_out is result.routed_experts and captured is result.captured
 
 
 def test_uint8_then_int16_widens_losslessly():
@@ -46,7 +52,7 @@ def test_uint8_then_int16_widens_losslessly():
     )
     wide = routes(range(4, 7), dtype=np.int16) + 300
     trace.record_generation(prompt_token_count=6, generated_token_count=2, routed_experts=wide)
-    out = trace.finalize(token_count=8, loss_mask=[0, 0, 0, 1, 1, 0, 1, 1]).routed_experts
+    out = trace.finalize(token_count=8, loss_mask=[0, 0, 0, 1, 1, 0, 1, 1]).captured_routes
     assert out.dtype == np.int16
     np.testing.assert_array_equal(out[:4], routes(range(4)).astype(np.int16))
     np.testing.assert_array_equal(out[4:], wide)
@@ -63,7 +69,7 @@ def test_whole_prefix_reply_is_recognised_by_row_count_and_realigned():
     whole[:5] = 0
     trace.record_generation(prompt_token_count=7, generated_token_count=3, routed_experts=whole)
     assert trace.whole_prefix_replies == 1 and trace.prompt_start == 9
-    out = trace.finalize(token_count=10, loss_mask=[0] * 4 + [1, 1, 0, 1, 1, 1]).routed_experts
+    out = trace.finalize(token_count=10, loss_mask=[0] * 4 + [1, 1, 0, 1, 1, 1]).captured_routes
     np.testing.assert_array_equal(out, routes(range(9)))
 
 
@@ -169,7 +175,8 @@ def test_empty_trace_finalizes_to_zero_rows():
     result = RoutedExpertTrace("traj-e", num_layers=L, top_k=K).finalize(
         token_count=3, loss_mask=[0, 0, 0]
     )
-    assert result.routed_experts.shape == (0, L, K) and not result.captured.any()
+    assert result.captured_routes.shape == (0, L, K) and not result.captured.any()
+    np.testing.assert_array_equal(result.routed_experts, np.tile(np.arange(K), (3, L, 1)))
     assert RoutedExpertTrace("traj-e2").finalize(
         token_count=0, loss_mask=[]
     ).routed_experts.shape == (0, 0, 0)
