@@ -223,7 +223,7 @@ def _restore_walk(doc: Any, splice: _Splice, keys: frozenset[str]) -> list[dict[
                     index = splice.index_of(value.get("data"))
                     if index is not None:
                         found[index] = value
-                        continue
+                        # No continue: a sidecar value may hold another envelope.
                 if type(value) is dict or type(value) is list:
                     stack.append(value)
         else:

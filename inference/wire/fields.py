@@ -181,6 +181,19 @@ class PackedField(str, Enum):
     def key(self) -> str:
         return self.spec.key
 
+    @property
+    def allowed_dtypes(self) -> tuple[str, ...]:
+        return self.spec.allowed_dtypes
+
+    @property
+    def ndim(self) -> int:
+        return self.spec.ndim
+
+    @property
+    def validator(self) -> Validator:
+        """``validator(array, path)`` raises WireError for values the field refuses."""
+        return self.spec.validate
+
     @classmethod
     def from_key(cls, key: str) -> PackedField:
         for field in cls:

@@ -268,3 +268,18 @@ def test_keys_that_merely_start_with_data_are_not_spliced() -> None:
     raw = orjson.dumps({"choices": [{"routed_experts": {"data_v2": env["data"]}}]})
     with pytest.raises(WireError, match=r"\$\.choices\[0\]\.routed_experts: expected a packed"):
         load_packed_body(raw)
+
+
+def test_envelope_nested_in_another_envelopes_sidecar_is_restored() -> None:
+    inner_routes, outer_routes = _routes(7), _routes(8)
+    outer = pack_routed_experts(outer_routes)
+    outer["meta"] = {"routed_experts": pack_routed_experts(inner_routes)}
+    raw = orjson.dumps({"choices": [{"routed_experts": outer}]})
+    doc = load_packed_body(raw)
+    env = doc["choices"][0]["routed_experts"]
+    inner = env["meta"]["routed_experts"]
+    assert isinstance(env["data"], memoryview) and isinstance(inner["data"], memoryview)
+    np.testing.assert_array_equal(
+        decode_packed_fields(doc["choices"][0])["routed_experts"], outer_routes
+    )
+    np.testing.assert_array_equal(decode_packed_fields(env["meta"])["routed_experts"], inner_routes)

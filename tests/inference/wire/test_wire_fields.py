@@ -36,6 +36,12 @@ def test_registry_entries() -> None:
     assert keys["packed_token_ids"].spec.allowed_dtypes == ("int32",)
     assert keys["packed_logprobs"].spec.ndim == 1
     assert PackedField.from_key("rollout_sample_support") is PackedField.ROLLOUT_SAMPLE_SUPPORT
+    # Members are their JSON key and expose their spec directly.
+    field = PackedField("routed_experts")
+    assert field is PackedField.ROUTED_EXPERTS and field == "routed_experts"
+    assert (field.allowed_dtypes, field.ndim) == (("uint8", "int16", "int32"), 3)
+    with pytest.raises(WireError, match=r"\$\.r: expected non-negative expert ids"):
+        field.validator(np.full((1, 1, 2), -1, np.int16), "$.r")
 
 
 @pytest.mark.parametrize(
