@@ -106,13 +106,21 @@ def refuse_replay_incompatible(settings: Mapping[str, Any], *, key_prefix: str) 
 
 def _check_routing_replay(cfg: PPOConfig) -> None:
     returns_routes = cfg.generator.inference_engine.enable_return_routed_experts
-    roles = [("trainer.policy.megatron_config", cfg.trainer.policy.megatron_config)]
-    if cfg.trainer.algorithm.use_kl_loss:  # the ref model exists only with a KL loss
-        roles.append(("trainer.ref.megatron_config", cfg.trainer.ref.megatron_config))
-    for prefix, mc in roles:
+    roles = [
+        ("trainer.policy.megatron_config", cfg.trainer.policy.megatron_config, True),
+        # The ref model is built only with a KL loss, so only then does it need routes;
+        # a layout that defeats replay is refused for it either way, so switching the
+        # KL loss on later cannot silently replay stale routes.
+        (
+            "trainer.ref.megatron_config",
+            cfg.trainer.ref.megatron_config,
+            cfg.trainer.algorithm.use_kl_loss,
+        ),
+    ]
+    for prefix, mc, built in roles:
         if not mc.moe_enable_routing_replay:
             continue
-        if not returns_routes:
+        if built and not returns_routes:
             raise ConfigValidationError(
                 f"{prefix}.moe_enable_routing_replay",
                 "routing replay needs the rollout's routes, but "

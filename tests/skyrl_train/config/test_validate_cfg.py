@@ -95,7 +95,12 @@ def test_replay_refuses_missing_routes() -> None:
 
 def test_ref_twin_is_checked_when_the_ref_model_is_built() -> None:
     fusion = f"+{REF}.{KW}.moe_router_fusion=true"
-    validate_cfg(load_config([fusion]))  # no KL loss: no ref model, nothing to refuse
+    # Layouts that defeat replay are refused for ref too, with or without the KL loss.
+    assert _refusal([fusion]).key == f"{REF}.{KW}.moe_router_fusion"
+    assert _refusal([f"{REF}.virtual_pipeline_model_parallel_size=2"]).key == (
+        f"{REF}.virtual_pipeline_model_parallel_size"
+    )
+    validate_cfg(load_config([fusion, f"{REF}.moe_enable_routing_replay=false"]))
     err = _refusal([fusion, "trainer.algorithm.use_kl_loss=true"])
     assert err.key == f"{REF}.{KW}.moe_router_fusion"
     err = _refusal(
