@@ -2,32 +2,46 @@
 
 from __future__ import annotations
 
+import importlib
 import inspect
 import random
+import warnings
 from collections.abc import Callable
 from typing import Any
 
 from skyrl_gym.core import Env, Task
 from skyrl_gym.errors import EnvError
 
-EnvFactory = Callable[..., Env]
+EnvFactory = Callable[..., Any]
+"""An ``Env`` subclass, or any callable returning an object with ``init`` and ``step``."""
 
-_REGISTRY: dict[str, EnvFactory] = {}
+_REGISTRY: dict[str, EnvFactory | str] = {}
 
 
-def register(name: str, factory: EnvFactory, *, overwrite: bool = False) -> None:
-    """Register ``factory`` (an ``Env`` subclass or a callable returning one) as ``name``.
+def register(id: str, entry_point: EnvFactory | str) -> None:  # noqa: A002 - gym's name
+    """Register ``entry_point`` as environment ``id``.
 
-    Re-registering a name raises unless ``overwrite``: two plugins silently replacing
-    each other's environment is a bug worth a loud error.
+    ``entry_point`` is a factory (an ``Env`` subclass, or a callable returning an object
+    with ``init`` and ``step``) or a ``"module:attribute"`` string imported at ``make``
+    time. Re-registering an id replaces it with a warning, as gym does.
     """
-    if not isinstance(name, str) or not name:
-        raise EnvError(f"register.name: expected a non-empty str, got {name!r}")
-    if not callable(factory):
-        raise EnvError(f"register.factory: expected a callable returning an Env, got {factory!r}")
-    if name in _REGISTRY and not overwrite and _REGISTRY[name] is not factory:
-        raise EnvError(f"register.name: expected an unused name, got {name!r} (already registered)")
-    _REGISTRY[name] = factory
+    if not isinstance(id, str) or not id:
+        raise EnvError(f"register.id: expected a non-empty str, got {id!r}")
+    if isinstance(entry_point, str):
+        if ":" not in entry_point:
+            raise EnvError(
+                f"register.entry_point: expected 'module:attribute' or a callable, "
+                f"got {entry_point!r}"
+            )
+    elif not callable(entry_point):
+        raise EnvError(
+            f"register.entry_point: expected a callable returning an environment, "
+            f"got {entry_point!r}"
+        )
+    previous = _REGISTRY.get(id)
+    if previous is not None and previous is not entry_point:
+        warnings.warn(f"skyrl_gym.register: replacing environment {id!r}", stacklevel=2)
+    _REGISTRY[id] = entry_point
 
 
 def unregister(name: str) -> None:
@@ -43,9 +57,18 @@ def registered() -> list[str]:
 
 def _factory(name: str) -> EnvFactory:
     try:
-        return _REGISTRY[name]
+        entry = _REGISTRY[name]
     except KeyError:
         raise EnvError(f"make.name: expected one of {registered()}, got {name!r}") from None
+    if not isinstance(entry, str):
+        return entry
+    module_name, _, attribute = entry.partition(":")
+    try:
+        factory = getattr(importlib.import_module(module_name), attribute)
+    except (ImportError, AttributeError) as exc:
+        raise EnvError(f"make({name!r}): cannot import entry point {entry!r} ({exc})") from exc
+    _REGISTRY[name] = factory
+    return factory
 
 
 def make(name: str, **kwargs: Any) -> Env:
@@ -58,9 +81,10 @@ def make(name: str, **kwargs: Any) -> Env:
             f"make({name!r}) kwargs: expected the factory's parameters, got {sorted(kwargs)} ({exc})"
         ) from None
     env = factory(**kwargs)
-    if not isinstance(env, Env):
+    if not (callable(getattr(env, "init", None)) and callable(getattr(env, "step", None))):
         raise EnvError(
-            f"make({name!r}): expected the factory to return an Env, got {type(env).__name__}"
+            f"make({name!r}): expected an environment with init() and step(), "
+            f"got {type(env).__name__}"
         )
     return env
 

@@ -184,7 +184,8 @@ def _check_generator(cfg: PPOConfig) -> None:
     # not take fails here, before Ray and the model start, not at the first rollout.
     (task,) = skyrl_gym.make_dataset(gen.env.name, num_prompts=1, seed=0)
     try:
-        skyrl_gym.make(gen.env.name, **{**task.env_extras, **gen.env.kwargs}).close()
+        env = skyrl_gym.make(gen.env.name, **{**task.env_extras, **gen.env.kwargs})
+        getattr(env, "close", lambda: None)()
     except skyrl_gym.EnvError as exc:
         raise ConfigValidationError("generator.env.kwargs", str(exc)) from exc
     eng = gen.inference_engine

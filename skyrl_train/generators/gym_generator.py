@@ -161,7 +161,8 @@ class GymGenerator:
                 try:
                     return await self._rollout(i, batch.prompts[i], envs[i])
                 finally:
-                    envs[i].close()
+                    # Environments from duck-typed factories need not have close().
+                    getattr(envs[i], "close", lambda: None)()
                     if bar is not None:
                         bar.update(1)
 

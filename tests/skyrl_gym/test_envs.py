@@ -35,23 +35,41 @@ def test_registry_lists_builtin_envs_and_refuses_unknown_names_and_kwargs():
         skyrl_gym.make("single_digit_sum", a=5, b=7)
 
 
-def test_register_refuses_silent_replacement_but_allows_overwrite():
+def test_register_replaces_with_a_warning_and_takes_duck_typed_and_string_entry_points():
     class Echo(skyrl_gym.SingleDigitSumEnv):
         pass
 
+    class Parrot:  # not an Env subclass: init and step are all the generator needs
+        def init(self, prompt):
+            return prompt, {}
+
+        def step(self, action):
+            return skyrl_gym.StepOutput([], float(action == "hi"), True)
+
     try:
         skyrl_gym.register("tmp_echo", Echo)
-        skyrl_gym.register("tmp_echo", Echo)  # same factory again is harmless
-        with pytest.raises(EnvError, match="already registered"):
-            skyrl_gym.register("tmp_echo", skyrl_gym.GuessNumberEnv)
-        skyrl_gym.register("tmp_echo", skyrl_gym.GuessNumberEnv, overwrite=True)
+        skyrl_gym.register("tmp_echo", Echo)  # same factory again: no warning
+        with pytest.warns(UserWarning, match="replacing environment 'tmp_echo'"):
+            skyrl_gym.register(id="tmp_echo", entry_point=skyrl_gym.GuessNumberEnv)
         assert isinstance(skyrl_gym.make("tmp_echo", target=2), skyrl_gym.GuessNumberEnv)
+        skyrl_gym.register("tmp_parrot", Parrot)
+        parrot = skyrl_gym.make("tmp_parrot")
+        assert parrot.step("hi").reward == 1.0
+        skyrl_gym.register("tmp_by_path", "skyrl_gym.envs:RepeatLetterEnv")
+        assert isinstance(skyrl_gym.make("tmp_by_path", letters="ab"), skyrl_gym.RepeatLetterEnv)
+        skyrl_gym.register("tmp_bad_path", "skyrl_gym.envs:NoSuchEnv")
+        with pytest.raises(EnvError, match="cannot import entry point 'skyrl_gym.envs:NoSuchEnv'"):
+            skyrl_gym.make("tmp_bad_path")
+        with pytest.raises(EnvError, match="register.entry_point: expected 'module:attribute'"):
+            skyrl_gym.register("tmp_bad", "no_colon")
         skyrl_gym.register("tmp_not_an_env", lambda: 3)
-        with pytest.raises(EnvError, match="expected the factory to return an Env, got int"):
+        with pytest.raises(
+            EnvError, match=r"expected an environment with init\(\) and step\(\), got int"
+        ):
             skyrl_gym.make("tmp_not_an_env")
     finally:
-        skyrl_gym.unregister("tmp_echo")
-        skyrl_gym.unregister("tmp_not_an_env")
+        for name in ("tmp_echo", "tmp_parrot", "tmp_by_path", "tmp_bad_path", "tmp_not_an_env"):
+            skyrl_gym.unregister(name)
     assert "tmp_echo" not in skyrl_gym.registered()
     with pytest.raises(EnvError, match=r"unregister.name: expected one of .*got 'tmp_echo'"):
         skyrl_gym.unregister("tmp_echo")
