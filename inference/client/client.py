@@ -61,7 +61,7 @@ class RemoteGenerateClient:
         self,
         base_url: str,
         *,
-        retry: RetryPolicy | None = None,
+        retry: RetryPolicy | Mapping[str, Any] | None = None,
         api_key: str | None = None,
         model: str | None = None,
         max_connections: int = 64,
@@ -73,7 +73,15 @@ class RemoteGenerateClient:
         if max_connections < 1:
             raise ValueError(f"max_connections: expected an int >= 1, got {max_connections!r}")
         self.base_url = str(url).rstrip("/")
-        self.retry = retry if retry is not None else RetryPolicy()
+        if retry is None:
+            retry = RetryPolicy()
+        elif isinstance(retry, Mapping):  # e.g. a config section: RetryPolicy checks it
+            retry = RetryPolicy(**retry)
+        elif not isinstance(retry, RetryPolicy):
+            raise TypeError(
+                f"retry: expected a RetryPolicy or a mapping, got {type(retry).__name__}"
+            )
+        self.retry = retry
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._model = model
         self._max_connections = max_connections

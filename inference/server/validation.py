@@ -48,15 +48,18 @@ def parse_generate_request(
     """The engine request for a decoded JSON ``body``, or ``RequestValidationError``."""
     if not isinstance(body, dict):
         raise RequestValidationError("$", "a JSON object", type(body).__name__)
-    allowed = _TOP_LEVEL_KEYS if allow_side_channels else _TOP_LEVEL_KEYS[:4]
     for key in body:
-        if key not in allowed:
-            hint = (
-                " (side channels are served on /skyrl/v1/generate)"
-                if key in SIDE_CHANNEL_KEYS
-                else ""
+        if key not in _TOP_LEVEL_KEYS:
+            raise RequestValidationError(
+                f"$.{key}", f"one of the keys {list(_TOP_LEVEL_KEYS)}", key
             )
-            raise RequestValidationError(f"$.{key}", f"one of the keys {list(allowed)}{hint}", key)
+        if key in SIDE_CHANNEL_KEYS and not allow_side_channels and body[key] not in (False, 0):
+            # Asking for a side channel here is refused; saying "off" explicitly is fine.
+            raise RequestValidationError(
+                f"$.{key}",
+                "false or absent (side channels are served on /skyrl/v1/generate)",
+                body[key],
+            )
     model = body.get("model")
     if model is not None and model != limits.model_name:
         raise RequestValidationError("$.model", f"null or {limits.model_name!r}", model)
@@ -80,18 +83,14 @@ def parse_generate_request(
         raise RequestValidationError("$.return_routed_experts", "true or false", return_routes)
     start = params.get("routed_experts_prompt_start")
     if start is not None:
-        if not return_routes:
-            raise RequestValidationError(
-                "$.sampling_params.routed_experts_prompt_start",
-                "absent unless return_routed_experts is true",
-                start,
-            )
+        # Validated always, used only with routes: a client that always sends the
+        # trace's prompt start works with routes on or off.
         start = _int(start, "$.sampling_params.routed_experts_prompt_start", 0, len(prompt))
     return EngineRequest(
         prompt_token_ids=prompt,
         sampling=sampling,
         return_routed_experts=return_routes,
-        routed_experts_prompt_start=start or 0,
+        routed_experts_prompt_start=(start or 0) if return_routes else 0,
         sample_support_k=_sample_support_k(body.get("return_sample_support", False), limits),
     )
 

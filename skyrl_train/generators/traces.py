@@ -206,6 +206,8 @@ class RoutedExpertTrace:
                 f"trajectory {tid} turn {turn}: routed_experts: expected an array of "
                 f"{p - start + g - 1} rows (routes were requested), got None"
             )
+        if hasattr(routed_experts, "detach") and hasattr(routed_experts, "numpy"):
+            routed_experts = routed_experts.detach().cpu().numpy()  # a torch tensor
         if not isinstance(routed_experts, np.ndarray) or routed_experts.ndim != 3:
             got = getattr(routed_experts, "shape", type(routed_experts).__name__)
             raise RouteTraceError(

@@ -190,3 +190,14 @@ def test_parse_retry_after_http_date() -> None:
     # 2015-10-21 07:28:00 GMT, asked 10 s before.
     got = parse_retry_after("Wed, 21 Oct 2015 07:28:00 GMT", now=1445412470.0)
     assert got == pytest.approx(10.0)
+
+
+def test_client_takes_a_retry_mapping_and_refuses_other_types() -> None:
+    from inference.client import RemoteGenerateClient
+
+    client = RemoteGenerateClient("http://127.0.0.1:1", retry={"max_attempts": 2})
+    assert client.retry == RetryPolicy(max_attempts=2)
+    with pytest.raises(ValueError, match="max_attempts"):
+        RemoteGenerateClient("http://127.0.0.1:1", retry={"max_attempts": 0})
+    with pytest.raises(TypeError, match="retry: expected a RetryPolicy or a mapping, got int"):
+        RemoteGenerateClient("http://127.0.0.1:1", retry=3)  # type: ignore[arg-type]

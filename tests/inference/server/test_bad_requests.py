@@ -105,11 +105,11 @@ CASES: list[tuple[str, str, Any, int, str]] = [
         "$.sampling_params.stop_token_ids[0]",
     ),
     (
-        "prompt-start-without-routes",
+        "prompt-start-past-prompt-without-routes",
         GEN,
-        body_with(sp_routed_experts_prompt_start=1),
+        body_with(sp_routed_experts_prompt_start=9),
         400,
-        "$.sampling_params.routed_experts_prompt_start: expected absent unless",
+        "$.sampling_params.routed_experts_prompt_start: expected an int in [0, 4]",
     ),
     (
         "prompt-start-past-prompt",
@@ -146,7 +146,7 @@ CASES: list[tuple[str, str, Any, int, str]] = [
         PLAIN,
         body_with(return_routed_experts=True),
         400,
-        "$.return_routed_experts: expected one of the keys",
+        "$.return_routed_experts: expected false or absent (side channels are served on",
     ),
     (
         "too-large",
@@ -210,6 +210,24 @@ def test_bad_request_gets_4xx_naming_the_field_and_server_keeps_serving(
     assert text in error["message"], error["message"]
     if status == 400 and error["type"] == "RequestValidationError":
         assert error["message"].startswith(error["field"] + ": expected")
+    assert good == 200
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        (PLAIN, body_with(return_routed_experts=False, return_sample_support=0)),
+        (GEN, body_with(sp_routed_experts_prompt_start=2)),  # a start without routes: unused
+    ],
+    ids=["side-channels-off-on-plain", "prompt-start-without-routes"],
+)
+def test_side_channel_settings_that_ask_for_nothing_are_accepted(
+    live_server, path: str, body: Any
+) -> None:
+    status, reply, good = exchange(live_server, path, body, auth(live_server))
+    assert status == 200, reply
+    choice = reply["choices"][0]
+    assert choice["token_ids"] and choice.get("routed_experts") is None
     assert good == 200
 
 

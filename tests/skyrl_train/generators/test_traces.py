@@ -202,3 +202,17 @@ def test_token_metadata_trace_general_rules():
     floats.append(np.zeros(3, np.float16), expected_rows=3, turn=0)
     floats.append(np.ones(1, np.float32), expected_rows=1, turn=1)
     assert floats.array().dtype == np.float32 and floats.array().tolist() == [0, 0, 0, 1]
+
+
+def test_record_generation_takes_torch_routes_too():
+    import torch
+
+    trace = RoutedExpertTrace()
+    trace.record_generation(
+        prompt_token_count=3,
+        generated_token_count=2,
+        routed_experts=torch.from_numpy(routes(range(4)).astype(np.int16)),
+    )
+    routes_out, captured = trace.finalize(token_count=5, loss_mask=[0, 0, 0, 1, 1])
+    np.testing.assert_array_equal(routes_out[:4], routes(range(4)))
+    assert routes_out.dtype == np.int16 and captured.tolist() == [True] * 4 + [False]
