@@ -35,7 +35,11 @@ from inference.client.results import (
     single_choice,
 )
 from inference.client.retry import RetryPolicy, call_with_retry
-from inference.client.side_channels import as_protocol_error, decode_side_channels
+from inference.client.side_channels import (
+    as_protocol_error,
+    decode_packed_choice,
+    decode_side_channels,
+)
 from inference.errors import (
     GenerateProtocolError,
     GenerateTransportError,
@@ -116,12 +120,15 @@ class RemoteGenerateClient:
         routed_experts_prompt_start: int | None = None,
         return_sample_support: bool | int = False,
         session_id: str | None = None,
+        return_packed_body: bool = False,
     ) -> GenerateResult:
         """Generate one completion of ``prompt_token_ids``.
 
         ``sampling_params`` is a mapping of wire keys or an engine ``SamplingParams``.
         ``routed_experts_prompt_start`` travels inside the sampling params.
         ``return_sample_support``: True for the server's default k, or an int k.
+        ``return_packed_body``: token ids and logprobs come back as envelopes too
+        (huge responses then parse without per-token JSON objects).
         """
         params = _sampling_dict(sampling_params)
         if routed_experts_prompt_start is not None:
@@ -145,7 +152,11 @@ class RemoteGenerateClient:
             payload["return_sample_support"] = return_sample_support
         if session_id is not None:
             payload["session_id"] = session_id
-        packed = bool(return_routed_experts) or "return_sample_support" in payload
+        if return_packed_body:
+            payload["return_packed_body"] = True
+        packed = bool(return_routed_experts or return_packed_body) or (
+            "return_sample_support" in payload
+        )
         body = orjson.dumps(payload, option=orjson.OPT_SERIALIZE_NUMPY)
 
         start = params.get("routed_experts_prompt_start") or 0
@@ -157,6 +168,7 @@ class RemoteGenerateClient:
                 packed=packed,
                 want_routes=bool(return_routed_experts),
                 want_support="return_sample_support" in payload,
+                packed_body=return_packed_body,
                 prompt_route_rows=route_rows,
             )
 
@@ -291,6 +303,7 @@ def _parse_generate_reply(
     packed: bool,
     want_routes: bool,
     want_support: bool,
+    packed_body: bool = False,
     prompt_route_rows: int | None,
 ) -> GenerateResult:
     """``prompt_route_rows`` = P - s - 1: route rows expected besides one per new token."""
@@ -305,7 +318,10 @@ def _parse_generate_reply(
         loads_or_retry(raw, 200)
         raise as_protocol_error(exc) from exc
     choice, clamped = single_choice(body)
-    result = parse_choice(choice, num_clamped_logprobs=clamped)
+    if packed_body:
+        result = decode_packed_choice(choice, num_clamped_logprobs=clamped)
+    else:
+        result = parse_choice(choice, num_clamped_logprobs=clamped)
     decode_side_channels(
         choice,
         result,

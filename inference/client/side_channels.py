@@ -11,7 +11,12 @@ from typing import Any
 
 from inference.client.results import GenerateResult
 from inference.errors import GenerateProtocolError, WireError
-from inference.wire import PackedField, decode_packed_routed_experts, decode_packed_sample_support
+from inference.wire import (
+    PackedField,
+    decode_packed_field,
+    decode_packed_routed_experts,
+    decode_packed_sample_support,
+)
 
 _CHOICE = "$.choices[0]"
 
@@ -72,3 +77,37 @@ def decode_side_channels(
         raise as_protocol_error(exc) from exc
     except TypeError as exc:  # the wire's "not a mapping / not an array" class
         raise GenerateProtocolError(_CHOICE, "well-formed envelopes", str(exc)) from exc
+
+
+def decode_packed_choice(choice: dict[str, Any], *, num_clamped_logprobs: int) -> GenerateResult:
+    """Token ids and logprobs of a fully packed choice (``return_packed_body``)."""
+    finish_reason = choice.get("finish_reason")
+    if not isinstance(finish_reason, str):
+        raise GenerateProtocolError(f"{_CHOICE}.finish_reason", "a string", finish_reason)
+    try:
+        ids = decode_packed_field(
+            PackedField.PACKED_TOKEN_IDS,
+            _envelope(choice, PackedField.PACKED_TOKEN_IDS),
+            path=f"{_CHOICE}.packed_token_ids",
+        )
+        logprobs = decode_packed_field(
+            PackedField.PACKED_LOGPROBS,
+            _envelope(choice, PackedField.PACKED_LOGPROBS),
+            path=f"{_CHOICE}.packed_logprobs",
+        )
+    except WireError as exc:
+        raise as_protocol_error(exc) from exc
+    except TypeError as exc:
+        raise GenerateProtocolError(_CHOICE, "well-formed envelopes", str(exc)) from exc
+    if logprobs.shape != ids.shape:
+        raise GenerateProtocolError(
+            f"{_CHOICE}.packed_logprobs.shape",
+            f"{list(ids.shape)} (one per token)",
+            list(logprobs.shape),
+        )
+    return GenerateResult(
+        response_ids=ids.tolist(),
+        finish_reason=finish_reason,
+        logprobs=logprobs.tolist(),
+        num_clamped_logprobs=num_clamped_logprobs,
+    )

@@ -9,9 +9,10 @@ Routes
          "sampling_params": {"max_tokens": int, "temperature": float, "top_p": float,
                              "top_k": int (-1 = off), "seed": int | null,
                              "stop_token_ids": [int, ...],
-                             "routed_experts_prompt_start": int},   # only with routes
+                             "routed_experts_prompt_start": int},   # used with routes
          "return_routed_experts": bool,                # side channel: routes
          "return_sample_support": bool | int,          # side channel: true = default k
+         "return_packed_body": bool,                   # ids and logprobs as envelopes
          "model": str | null, "session_id": str | null}
 
     Reply::
@@ -23,11 +24,14 @@ Routes
                       "rollout_sample_support": envelope | null,     # [G, k] int32
                       "rollout_sample_support_logprobs": envelope | null}]}
 
-    Envelopes follow DESIGN §3. Logprobs that are missing or not finite are sent as
+    With ``return_packed_body`` the choice's ``token_ids`` and ``logprobs`` are null
+    and ``packed_token_ids`` ([G] int32) and ``packed_logprobs`` ([G] float32) carry
+    them as envelopes. Envelopes follow DESIGN §3. Logprobs that are missing or not finite are sent as
     -9999.0 and counted in ``num_clamped_logprobs`` (and in ``/health``).
 ``POST /inference/v1/generate``
-    The same without side channels: the two ``return_*`` keys and the prompt start are
-    refused, and the choice carries only ``token_ids``, ``finish_reason``, ``logprobs``.
+    The same without side channels: a ``return_*`` key that asks for one is refused
+    (false is accepted), and the choice carries only ``token_ids``, ``finish_reason``,
+    ``logprobs``.
 ``POST /skyrl/v1/update_weights``
     Body: a safetensors file of named tensors in the engine's layout. Reply
     ``{"num_loaded": int}``. The engine loads them between batches.
@@ -274,6 +278,7 @@ def _generate_handler(*, allow_side_channels: bool) -> Handler:
             engine_request,
             model=app[_LIMITS].model_name,
             side_channels=allow_side_channels,
+            packed_body=body.get("return_packed_body", False),
         )
         app[_COUNTERS].clamped_logprobs += clamped
         return web.Response(body=reply, content_type="application/json")

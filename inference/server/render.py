@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from inference.engine.base import EngineOutput, EngineRequest
 from inference.wire import LOGPROB_FLOOR, PackedField, clamp_logprobs, dumps_generate_response
 
@@ -14,11 +16,15 @@ def render_generate_reply(
     *,
     model: str,
     side_channels: bool,
+    packed_body: bool = False,
 ) -> tuple[bytes, int]:
     """The reply body and how many sampled logprobs were clamped to -9999.0.
 
     With ``side_channels`` the choice carries every registered side-channel key, each
-    an envelope when requested and null otherwise; without, none of them.
+    an envelope when requested and null otherwise; without, none of them. With
+    ``packed_body`` the token ids and sampled logprobs travel as 1-D envelopes
+    (``packed_token_ids`` int32, ``packed_logprobs`` float32) and ``token_ids`` and
+    ``logprobs`` are null: the client then parses no per-token JSON at all.
     """
     logprobs = clamp_logprobs(output.logprobs)
     # An engine that returned fewer logprobs than tokens is clamped per missing token,
@@ -28,10 +34,13 @@ def render_generate_reply(
     clamped = logprobs.num_clamped + max(0, missing)
     choice: dict[str, Any] = {
         "index": 0,
-        "token_ids": output.token_ids,
+        "token_ids": None if packed_body else output.token_ids,
         "finish_reason": output.finish_reason,
-        "logprobs": {"content": [{"logprob": v} for v in values]},
+        "logprobs": None if packed_body else {"content": [{"logprob": v} for v in values]},
     }
+    if packed_body:
+        choice[PackedField.PACKED_TOKEN_IDS.key] = np.asarray(output.token_ids, dtype=np.int32)
+        choice[PackedField.PACKED_LOGPROBS.key] = np.asarray(values, dtype=np.float32)
     if side_channels:
         routes = output.routed_experts if request.return_routed_experts else None
         if request.return_routed_experts and routes is None:

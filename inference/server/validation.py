@@ -15,7 +15,7 @@ from typing import Any
 from inference.engine.base import EngineRequest, SamplingParams
 from inference.errors import RequestValidationError
 
-SIDE_CHANNEL_KEYS = ("return_routed_experts", "return_sample_support")
+SIDE_CHANNEL_KEYS = ("return_routed_experts", "return_sample_support", "return_packed_body")
 _TOP_LEVEL_KEYS = ("token_ids", "sampling_params", "model", "session_id", *SIDE_CHANNEL_KEYS)
 _SAMPLING_KEYS = (
     "max_tokens",
@@ -81,6 +81,9 @@ def parse_generate_request(
     return_routes = body.get("return_routed_experts", False)
     if not isinstance(return_routes, bool):
         raise RequestValidationError("$.return_routed_experts", "true or false", return_routes)
+    packed_body = body.get("return_packed_body", False)
+    if not isinstance(packed_body, bool):
+        raise RequestValidationError("$.return_packed_body", "true or false", packed_body)
     start = params.get("routed_experts_prompt_start")
     if start is not None:
         # Validated always, used only with routes: a client that always sends the

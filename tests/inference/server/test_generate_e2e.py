@@ -89,6 +89,50 @@ def test_routes_and_sample_support_decode_together(live_server) -> None:
     assert result.num_clamped_logprobs == 0
 
 
+def test_fully_packed_body_carries_the_same_tokens_logprobs_and_routes(live_server) -> None:
+    sampling = {"max_tokens": 6, "temperature": 1.0, "seed": 11}
+
+    async def body(client: RemoteGenerateClient):
+        plain = await client.generate(
+            prompt_token_ids=PROMPT, sampling_params=sampling, return_routed_experts=True
+        )
+        packed = await client.generate(
+            prompt_token_ids=PROMPT,
+            sampling_params=sampling,
+            return_routed_experts=True,
+            return_packed_body=True,
+        )
+        return plain, packed
+
+    plain, packed = with_client(live_server, body)
+    assert packed.response_ids == plain.response_ids and packed.response_ids
+    assert packed.finish_reason == plain.finish_reason
+    # float32 on the wire: equal to the JSON float after rounding to float32.
+    np.testing.assert_array_equal(
+        np.float32(packed.logprobs), np.asarray(plain.logprobs, dtype=np.float32)
+    )
+    np.testing.assert_array_equal(packed.routed_experts, plain.routed_experts)
+
+    async def raw_reply(session: aiohttp.ClientSession):
+        headers = {"Authorization": f"Bearer {live_server.api_key}"} if live_server.api_key else {}
+        request = {"token_ids": PROMPT, "sampling_params": sampling, "return_packed_body": True}
+        async with session.post(
+            live_server.url + "/skyrl/v1/generate", json=request, headers=headers
+        ) as reply:
+            return reply.status, orjson.loads(await reply.read())
+
+    async def main():
+        async with aiohttp.ClientSession() as session:
+            return await raw_reply(session)
+
+    status, reply = asyncio.run(main())
+    choice = reply["choices"][0]
+    assert status == 200 and choice["token_ids"] is None and choice["logprobs"] is None
+    assert list(choice["packed_token_ids"])[:3] == ["data", "shape", "dtype"]
+    assert choice["packed_token_ids"]["dtype"] == "int32"
+    assert choice["packed_logprobs"]["dtype"] == "float32"
+
+
 def test_sample_support_true_uses_the_servers_default_k(live_server) -> None:
     async def body(client: RemoteGenerateClient):
         return await client.generate(
