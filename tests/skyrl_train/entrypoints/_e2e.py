@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 from inference.client import RemoteGenerateClient
@@ -55,6 +57,20 @@ def probe(url: str) -> list[float]:
             return list(result.logprobs)
 
     return asyncio.run(go())
+
+
+def new_pids(
+    current: Callable[[], set[int]], before: set[int], *, timeout_s: float = 30
+) -> set[int]:
+    """Processes in ``current()`` not in ``before``, once they stop disappearing.
+
+    Ray reaps actor workers and daemons asynchronously after ``ray.shutdown()`` and
+    ``ray.kill()``; a process may need a moment to go, but none may stay.
+    """
+    deadline = time.monotonic() + timeout_s
+    while (left := current() - before) and time.monotonic() < deadline:
+        time.sleep(0.25)
+    return left
 
 
 def ray_daemon_pids() -> set[int]:

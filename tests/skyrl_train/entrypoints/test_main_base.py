@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import yarl
-from _e2e import SMALL, probe, ray_daemon_pids
+from _e2e import SMALL, new_pids, probe, ray_daemon_pids
 
 from skyrl_train.config.loader import load_config
 from skyrl_train.config.schema import PPOConfig
@@ -104,7 +104,7 @@ def test_nothing_left_running(first_run: FirstRun) -> None:
         with pytest.raises(OSError), socket.create_connection((parsed.host, parsed.port), 2):
             pass
     # Other Ray instances on the machine (a developer's) are not ours to judge.
-    assert ray_daemon_pids() - first_run.ray_pids_before == set()
+    assert new_pids(ray_daemon_pids, first_run.ray_pids_before) == set()
 
 
 def test_resume_reproduces_the_next_step(first_run: FirstRun, tmp_path: Path) -> None:

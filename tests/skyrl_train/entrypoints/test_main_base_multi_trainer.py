@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from _e2e import SMALL, probe, ray_actor_pids, ray_daemon_pids, with_overrides
+from _e2e import SMALL, new_pids, probe, ray_actor_pids, ray_daemon_pids, with_overrides
 
 from skyrl_train.config.loader import load_config
 from skyrl_train.config.schema import PPOConfig
@@ -148,8 +148,8 @@ def test_nothing_left_running(two_ranks: TwoRankRun) -> None:
     import ray
 
     assert not ray.is_initialized()
-    assert ray_daemon_pids() - two_ranks.daemons_before == set()
-    assert ray_actor_pids("PolicyTrainer") - two_ranks.actors_before == set()
+    assert new_pids(ray_daemon_pids, two_ranks.daemons_before) == set()
+    assert new_pids(lambda: ray_actor_pids("PolicyTrainer"), two_ranks.actors_before) == set()
 
 
 def test_two_ranks_take_the_update_one_rank_takes(
@@ -187,5 +187,5 @@ def test_a_failing_rank_setup_takes_every_actor_down(tmp_path: Path) -> None:
     import ray
 
     assert not ray.is_initialized()
-    assert ray_daemon_pids() - daemons_before == set()
-    assert ray_actor_pids("PolicyTrainer") - actors_before == set()
+    assert new_pids(ray_daemon_pids, daemons_before) == set()
+    assert new_pids(lambda: ray_actor_pids("PolicyTrainer"), actors_before) == set()
