@@ -20,9 +20,21 @@ from typing import Any, TypeVar
 from skyrl_train.config.schema import PPOConfig
 from skyrl_train.errors import ConfigValidationError
 
-CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
-"""The Hydra config folder at the repository root."""
 CONFIG_NAME = "ppo_base_config"
+
+
+def _config_dir() -> Path:
+    # The checkout's configs/ (an editable install, as the README does it); a
+    # non-editable install has no checkout beside the package, so fall back to the
+    # configs/ of the folder the launch runs in.
+    for candidate in (Path(__file__).resolve().parents[2] / "configs", Path.cwd() / "configs"):
+        if (candidate / f"{CONFIG_NAME}.yaml").is_file():
+            return candidate
+    return Path(__file__).resolve().parents[2] / "configs"
+
+
+CONFIG_DIR = _config_dir()
+"""The Hydra config folder at the repository root."""
 
 T = TypeVar("T")
 
