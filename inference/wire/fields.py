@@ -257,12 +257,12 @@ def decode_packed_routed_experts(
     return decode_packed_field(PackedField.ROUTED_EXPERTS, payload, path=path)
 
 
-def _check_support_pair(ids: np.ndarray, logprobs: np.ndarray, path: str) -> None:
-    if ids.shape != logprobs.shape:
+def _check_support_pair(ids_shape: Any, logprobs_shape: Any, path: str) -> None:
+    if list(ids_shape) != list(logprobs_shape):
         raise WireError(
             f"{path}.rollout_sample_support_logprobs.shape",
-            f"the support's shape {list(ids.shape)}",
-            list(logprobs.shape),
+            f"the support's shape {list(ids_shape)}",
+            list(logprobs_shape),
         )
 
 
@@ -276,12 +276,7 @@ def pack_sample_support(ids: Any, logprobs: Any, *, path: str = "$") -> tuple[di
         logprobs,
         path=f"{path}.rollout_sample_support_logprobs",
     )
-    if ids_env["shape"] != lp_env["shape"]:
-        raise WireError(
-            f"{path}.rollout_sample_support_logprobs.shape",
-            f"the support's shape {ids_env['shape']}",
-            lp_env["shape"],
-        )
+    _check_support_pair(ids_env["shape"], lp_env["shape"], path)
     return ids_env, lp_env
 
 
@@ -297,7 +292,7 @@ def decode_packed_sample_support(
         logprobs_payload,
         path=f"{path}.rollout_sample_support_logprobs",
     )
-    _check_support_pair(ids, logprobs, path)
+    _check_support_pair(ids.shape, logprobs.shape, path)
     return ids, logprobs
 
 
@@ -322,5 +317,5 @@ def decode_packed_fields(
     ids = out.get(PackedField.ROLLOUT_SAMPLE_SUPPORT.key)
     logprobs = out.get(PackedField.ROLLOUT_SAMPLE_SUPPORT_LOGPROBS.key)
     if ids is not None and logprobs is not None:
-        _check_support_pair(ids, logprobs, path)
+        _check_support_pair(ids.shape, logprobs.shape, path)
     return out

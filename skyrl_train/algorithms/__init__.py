@@ -5,7 +5,7 @@ from skyrl_train.algorithms.advantages import (
     compute_grpo_advantages,
     contiguous_groups,
 )
-from skyrl_train.algorithms.metrics import StepMetrics, metrics_line, reduction_of
+from skyrl_train.algorithms.metrics import StepMetrics, reduction_of
 from skyrl_train.algorithms.mismatch import (
     MISSING_LOGPROB,
     LogprobMismatch,
@@ -26,7 +26,6 @@ __all__ = [
     "contiguous_groups",
     "kl_penalty",
     "logprob_mismatch",
-    "metrics_line",
     "ppo_policy_loss",
     "reduction_of",
     "router_agreement",

@@ -1,4 +1,4 @@
-"""Per-step metric aggregation: many metric dicts in, one JSONL line out.
+"""Per-step metric aggregation: many metric dicts (micro-batches, ranks) in, one out.
 
 A step's metrics come from several micro-batches and trainer ranks. How a key
 combines is read from its last path component, so producers and the launch need
@@ -13,7 +13,6 @@ import math
 from collections.abc import Mapping
 from typing import Literal
 
-import orjson
 import torch
 
 Reduction = Literal["mean", "max", "min", "sum"]
@@ -75,18 +74,3 @@ class StepMetrics:
             else:  # every update had weight 0 (say, no tokens): fall back to a plain mean
                 out[key] = self._plain_sum[key] / self._count[key]
         return dict(sorted(out.items()))
-
-
-def metrics_line(step: int, metrics: Mapping[str, float]) -> str:
-    """One JSON object ``{"step": step, ...metrics}`` with sorted keys, no newline.
-
-    JSON has no NaN or infinity (orjson would write null), so they are refused here,
-    where the offending key is still known.
-    """
-    if "step" in metrics:
-        raise ValueError("metrics['step']: expected no 'step' key, it is added from the argument")
-    for key, value in metrics.items():
-        if not math.isfinite(value):
-            raise ValueError(f"metrics[{key!r}]: expected a finite number, got {value}")
-    record = {"step": step, **{k: float(v) for k, v in metrics.items()}}
-    return orjson.dumps(record, option=orjson.OPT_SORT_KEYS).decode()

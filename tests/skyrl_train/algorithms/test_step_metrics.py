@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import orjson
 import pytest
 import torch
 
-from skyrl_train.algorithms import StepMetrics, metrics_line, reduction_of
+from skyrl_train.algorithms import StepMetrics, reduction_of
 
 
 def test_reduction_follows_the_last_key_component() -> None:
@@ -45,14 +44,3 @@ def test_non_finite_values_and_weights_are_refused() -> None:
         m.update({"loss": float("nan")})
     with pytest.raises(ValueError, match="^weight:"):
         m.update({"loss": 1.0}, weight=-1)
-
-
-def test_metrics_line_is_one_sorted_json_object() -> None:
-    line = metrics_line(3, {"reward": 0.5, "a/num_tokens": 7})
-    assert "\n" not in line
-    assert orjson.loads(line) == {"step": 3, "a/num_tokens": 7.0, "reward": 0.5}
-    assert line.index('"a/num_tokens"') < line.index('"reward"') < line.index('"step"')
-    with pytest.raises(ValueError, match=r"^metrics\['reward'\]:"):
-        metrics_line(1, {"reward": float("inf")})
-    with pytest.raises(ValueError, match=r"^metrics\['step'\]:"):
-        metrics_line(1, {"step": 2.0})
