@@ -1,6 +1,7 @@
 """Async HTTP client of the inference server, with a bounded retry policy."""
 
 from inference.client.client import RemoteGenerateClient
+from inference.client.limits import ReplyTooLarge, RouteShape
 from inference.client.replies import parse_retry_after
 from inference.client.results import GenerateRequest, GenerateResult
 from inference.client.retry import RetryPolicy
@@ -9,6 +10,8 @@ __all__ = [
     "GenerateRequest",
     "GenerateResult",
     "RemoteGenerateClient",
+    "ReplyTooLarge",
     "RetryPolicy",
+    "RouteShape",
     "parse_retry_after",
 ]

@@ -8,7 +8,9 @@ Error taxonomy (DESIGN §4), decided per attempt:
 - 429 and 503: retried, honouring ``Retry-After``; ``GenerateHTTPError`` if retries end;
 - any other error status with a JSON body: ``GenerateHTTPError`` carrying the server's
   ``error.message`` and ``error.type``; an undecodable 4xx raises with its text;
-- a valid JSON body whose contract is malformed: ``GenerateProtocolError``, never retried.
+- a valid JSON body whose contract is malformed: ``GenerateProtocolError``, never retried;
+- a body longer than the request's size cap (``limits``): ``ReplyTooLarge``, a
+  ``GenerateProtocolError`` raised while reading, never retried.
 
 Plain generation parses with ``orjson.loads``; the packed splice (``load_packed_body``)
 runs only when the request asked for a packed side channel.
@@ -27,6 +29,14 @@ import numpy as np
 import orjson
 import yarl
 
+from inference.client.limits import (
+    SERVER_DEFAULT_MAX_TOKENS,
+    SMALL_REPLY_BYTES,
+    SUPPORT_K_BOUND,
+    RouteShape,
+    generate_reply_cap,
+    read_capped,
+)
 from inference.client.replies import loads_or_retry, status_error
 from inference.client.results import (
     GenerateRequest,
@@ -59,6 +69,14 @@ class RemoteGenerateClient:
 
     ``api_key`` is sent as a bearer token; ``model`` (optional) is sent with every
     request; ``max_connections`` caps open connections; ``seed`` seeds the jitter.
+
+    Reply sizes are capped (see ``inference.client.limits``): each generate reply may
+    be at most the bound derived from its request (prompt length, ``max_tokens``,
+    requested side channels), ``/health`` and weight-update replies 64 KiB. Routes
+    need the engine's ``route_shape`` (layers, top_k, experts): pass it, or the client
+    reads it once from ``/health`` on the first request for routes.
+    ``max_reply_bytes``, when given, replaces the derived generate cap (and the
+    ``/health`` lookup), e.g. for a server whose default support k exceeds 64.
     """
 
     def __init__(
@@ -70,12 +88,22 @@ class RemoteGenerateClient:
         model: str | None = None,
         max_connections: int = 64,
         seed: int | None = None,
+        max_reply_bytes: int | None = None,
+        route_shape: RouteShape | None = None,
     ) -> None:
         url = yarl.URL(base_url)
         if url.scheme not in ("http", "https") or not url.host:
             raise ValueError(f"base_url: expected an http(s)://host[:port] URL, got {base_url!r}")
         if max_connections < 1:
             raise ValueError(f"max_connections: expected an int >= 1, got {max_connections!r}")
+        if max_reply_bytes is not None and _positive_int(max_reply_bytes) is None:
+            raise ValueError(
+                f"max_reply_bytes: expected None or an int >= 1, got {max_reply_bytes!r}"
+            )
+        if route_shape is not None and not isinstance(route_shape, RouteShape):
+            raise TypeError(
+                f"route_shape: expected a RouteShape or None, got {type(route_shape).__name__}"
+            )
         self.base_url = str(url).rstrip("/")
         if retry is None:
             retry = RetryPolicy()
@@ -91,6 +119,9 @@ class RemoteGenerateClient:
         self._max_connections = max_connections
         self._rng = random.Random(seed)
         self._session: aiohttp.ClientSession | None = None
+        self.max_reply_bytes = max_reply_bytes
+        self.route_shape = route_shape
+        self._route_shape_lock = asyncio.Lock()
 
     async def __aenter__(self) -> RemoteGenerateClient:
         self._ensure_session()
@@ -172,7 +203,26 @@ class RemoteGenerateClient:
                 prompt_route_rows=route_rows,
             )
 
-        return await self._post(GENERATE_PATH, body, parse, content_type="application/json")
+        cap = self.max_reply_bytes
+        if cap is None:
+            # A max_tokens or k the server refuses gets a small 400: any bound will do.
+            support = payload.get("return_sample_support")
+            cap = generate_reply_cap(
+                max_tokens=_positive_int(params.get("max_tokens")) or SERVER_DEFAULT_MAX_TOKENS,
+                prompt_route_rows=route_rows or 0,
+                route_shape=await self._route_shape() if return_routed_experts else None,
+                support_k=SUPPORT_K_BOUND if support is True else _positive_int(support) or 0,
+            )
+        return await self._post(
+            GENERATE_PATH, body, parse, content_type="application/json", max_reply_bytes=cap
+        )
+
+    async def _route_shape(self) -> RouteShape:
+        """``route_shape``, read once from ``/health`` when the caller did not pass it."""
+        async with self._route_shape_lock:
+            if self.route_shape is None:
+                self.route_shape = RouteShape.from_health(await self.health())
+        return self.route_shape
 
     async def generate_batch(
         self, requests: Sequence[GenerateRequest], *, max_concurrency: int = 16
@@ -230,7 +280,11 @@ class RemoteGenerateClient:
             return count
 
         return await self._post(
-            UPDATE_WEIGHTS_PATH, body, parse, content_type="application/octet-stream"
+            UPDATE_WEIGHTS_PATH,
+            body,
+            parse,
+            content_type="application/octet-stream",
+            max_reply_bytes=SMALL_REPLY_BYTES,
         )
 
     async def health(self) -> dict[str, Any]:
@@ -242,12 +296,22 @@ class RemoteGenerateClient:
                 raise GenerateProtocolError("$", "a JSON object", reply)
             return reply
 
-        return await self._request("GET", HEALTH_PATH, None, parse, content_type=None)
+        return await self._request(
+            "GET", HEALTH_PATH, None, parse, content_type=None, max_reply_bytes=SMALL_REPLY_BYTES
+        )
 
     async def _post(
-        self, path: str, body: bytes, parse: Callable[[bytes], T], *, content_type: str
+        self,
+        path: str,
+        body: bytes,
+        parse: Callable[[bytes], T],
+        *,
+        content_type: str,
+        max_reply_bytes: int,
     ) -> T:
-        return await self._request("POST", path, body, parse, content_type=content_type)
+        return await self._request(
+            "POST", path, body, parse, content_type=content_type, max_reply_bytes=max_reply_bytes
+        )
 
     async def _request(
         self,
@@ -257,6 +321,7 @@ class RemoteGenerateClient:
         parse: Callable[[bytes], T],
         *,
         content_type: str | None,
+        max_reply_bytes: int,
     ) -> T:
         session = self._ensure_session()
         url = self.base_url + path
@@ -269,7 +334,7 @@ class RemoteGenerateClient:
                 async with session.request(
                     method, url, data=body, headers=headers, timeout=timeout
                 ) as response:
-                    raw = await response.read()
+                    raw = await read_capped(response, max_reply_bytes)
                     status = response.status
                     retry_after = response.headers.get("Retry-After")
             except asyncio.TimeoutError as exc:
@@ -283,6 +348,10 @@ class RemoteGenerateClient:
             return parse(raw)
 
         return await call_with_retry(attempt, self.retry, what=what, rng=self._rng)
+
+
+def _positive_int(value: Any) -> int | None:
+    return value if type(value) is int and value > 0 else None
 
 
 def _sampling_dict(sampling_params: Any) -> dict[str, Any]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import numpy as np
@@ -118,9 +119,19 @@ def reply(body: object) -> Behaviour:
     return handler
 
 
+# The shape of the routes these tests send: [rows, 4 layers, top-2 of 8 experts].
+HEALTH = {"status": "ok", "engine": {"num_layers": 4, "top_k": 2, "num_experts": 8}}
+
+
 @contextlib.asynccontextmanager
-async def fault_server(script: list[Behaviour]) -> AsyncIterator[tuple[str, list[bytes]]]:
-    """Attempt i gets script[i] (the last entry repeats); yields (url, request bodies)."""
+async def fault_server(
+    script: list[Behaviour], *, health: Behaviour = reply(HEALTH)
+) -> AsyncIterator[tuple[str, list[bytes]]]:
+    """Attempt i gets script[i] (the last entry repeats); yields (url, request bodies).
+
+    Generate and weight-update requests run the script; ``GET /health`` runs ``health``
+    (the client reads the route shape there) and is not counted as an attempt.
+    """
     seen: list[bytes] = []
 
     async def handler(request: web.Request) -> web.StreamResponse:
@@ -129,6 +140,8 @@ async def fault_server(script: list[Behaviour]) -> AsyncIterator[tuple[str, list
 
     app = web.Application()
     app.router.add_post("/skyrl/v1/generate", handler)
+    app.router.add_post("/skyrl/v1/update_weights", handler)
+    app.router.add_get("/health", health)
     runner = web.AppRunner(app, shutdown_timeout=0.1)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
@@ -220,6 +233,20 @@ def test_deadline_is_respected_while_retrying_slow_replies() -> None:
 def test_503_retry_after_is_honoured_then_succeeds() -> None:
     result, attempts = scenario([busy("0"), busy("0.05"), ok])
     assert attempts == 3 and result.finish_reason == "length"
+
+
+def test_retry_after_zero_still_waits_the_minimum_backoff() -> None:
+    # An overloaded server answering "Retry-After: 0" must not be hammered in a loop.
+    times: list[float] = []
+
+    async def timed_busy(request: web.Request) -> web.StreamResponse:
+        times.append(time.monotonic())
+        return await busy("0")(request)
+
+    result, attempts = scenario([timed_busy, timed_busy, timed_busy, ok])
+    assert attempts == 4 and result.response_ids == [5, 6]
+    gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
+    assert len(gaps) == 2 and min(gaps) >= FAST.min_backoff_s
 
 
 def test_503_that_persists_raises_the_servers_message() -> None:

@@ -7,7 +7,8 @@ import random
 
 import pytest
 
-from inference.client.replies import parse_retry_after
+from inference.client import ReplyTooLarge
+from inference.client.replies import parse_retry_after, status_error
 from inference.client.retry import RetryLater, RetryPolicy, call_with_retry
 from inference.errors import (
     DeadlineExceeded,
@@ -31,6 +32,7 @@ def test_exception_tree_is_pinned() -> None:
     assert issubclass(GenerateTransportError, GenerateError)
     assert issubclass(DeadlineExceeded, GenerateTransportError)
     assert issubclass(RetryLater, GenerateError)
+    assert issubclass(ReplyTooLarge, GenerateProtocolError)  # oversize: never retried
     for cls in (GenerateError, GenerateHTTPError, GenerateTransportError, DeadlineExceeded):
         assert not issubclass(cls, ValueError)
     assert not issubclass(GenerateHTTPError, GenerateTransportError)
@@ -41,6 +43,7 @@ def test_default_policy_is_bounded() -> None:
     assert policy.max_attempts == 6
     assert (policy.initial_backoff_s, policy.max_backoff_s) == (0.2, 5.0)
     assert policy.attempt_timeout_s == 30.0 and policy.deadline_s == 120.0
+    assert policy.min_backoff_s == 0.05
     with pytest.raises(AttributeError):
         policy.max_attempts = 7  # type: ignore[misc]
 
@@ -56,6 +59,11 @@ def test_default_policy_is_bounded() -> None:
         ({"multiplier": 0.5}, "multiplier"),
         ({"jitter": 1.5}, "jitter"),
         ({"initial_backoff_s": 2.0, "max_backoff_s": 1.0}, "max_backoff_s"),
+        ({"min_backoff_s": 0}, "min_backoff_s"),
+        ({"min_backoff_s": -0.1}, "min_backoff_s"),
+        ({"min_backoff_s": float("nan")}, "min_backoff_s"),
+        ({"min_backoff_s": "0.1"}, "min_backoff_s"),
+        ({"min_backoff_s": 5.0, "deadline_s": 5.0}, "min_backoff_s"),
     ],
 )
 def test_bad_policy_names_the_field(kwargs: dict, field: str) -> None:
@@ -135,6 +143,7 @@ def test_gives_up_after_max_attempts_with_last_error() -> None:
     [
         GenerateProtocolError("$.choices[0].routed_experts.dtype", "uint8", "int32"),
         GenerateHTTPError(400, "$.token_ids: expected a list"),
+        ReplyTooLarge(1 << 20, 300 << 20, declared=True),
         ValueError("anything else"),
     ],
 )
@@ -176,6 +185,63 @@ def test_attempt_timeouts_are_cut_to_the_remaining_deadline() -> None:
     assert isinstance(result, DeadlineExceeded)
     assert timeouts[:2] == [2.0, 2.0] and timeouts[2] == pytest.approx(0.7)
     assert len(timeouts) == 3 and fake.now <= 5.0
+
+
+def busy_with(retry_after: str) -> RetryLater:
+    """What the client's attempt raises for a 503 carrying this ``Retry-After``."""
+    error = status_error(503, b'{"error": {"message": "busy"}}', retry_after)
+    assert isinstance(error, RetryLater)
+    return error
+
+
+@pytest.mark.parametrize(
+    ("header", "first_sleep"),
+    [
+        ("0", 0.1),
+        ("-4", 0.1),
+        ("0.01", 0.1),  # positive but below the floor
+        ("Wed, 21 Oct 2015 07:28:00 GMT", 0.1),  # an HTTP-date in the past
+        ("soon", 0.3),  # unparsable: the normal backoff, not the floor
+        ("", 0.3),
+        ("2.5", 2.5),  # above the floor: honoured as sent
+    ],
+    ids=["zero", "negative", "below-floor", "past-date", "garbage", "empty", "honoured"],
+)
+def test_retry_after_sleeps_never_go_below_the_floor(header: str, first_sleep: float) -> None:
+    fake = FakeTime()
+    policy = RetryPolicy(
+        max_attempts=3, initial_backoff_s=0.3, jitter=0.0, min_backoff_s=0.1, deadline_s=60.0
+    )
+    result, timeouts = run_loop(policy, [busy_with(header), busy_with(header), "ok"], fake)
+    assert result == "ok" and len(timeouts) == 3
+    assert fake.sleeps[0] == pytest.approx(first_sleep)
+    assert min(fake.sleeps) >= policy.min_backoff_s
+
+
+def test_retry_after_date_beyond_the_deadline_fails_fast() -> None:
+    fake = FakeTime()
+    policy = RetryPolicy(max_attempts=10, deadline_s=5.0)
+    result, timeouts = run_loop(policy, [busy_with("Fri, 01 Jan 2100 00:00:00 GMT")] * 10, fake)
+    assert isinstance(result, DeadlineExceeded) and "503" in str(result)
+    assert len(timeouts) == 1 and fake.sleeps == []
+
+
+def test_backoff_below_the_floor_is_raised_to_it() -> None:
+    # The floor wins even over max_backoff_s: a policy cannot configure a busy loop.
+    fake = FakeTime()
+    policy = RetryPolicy(
+        max_attempts=4, initial_backoff_s=0.001, max_backoff_s=0.002, min_backoff_s=0.05
+    )
+    result, _ = run_loop(policy, [GenerateTransportError("reset")] * 3 + ["ok"], fake)
+    assert result == "ok" and fake.sleeps == [0.05, 0.05, 0.05]
+
+
+def test_floor_that_would_pass_the_deadline_fails_fast() -> None:
+    fake = FakeTime()
+    policy = RetryPolicy(max_attempts=5, min_backoff_s=2.0, deadline_s=3.0)
+    result, timeouts = run_loop(policy, [busy_with("0"), busy_with("0"), "ok"], fake, cost_s=1.5)
+    assert isinstance(result, DeadlineExceeded) and len(timeouts) == 1
+    assert "no room for a retry in 2 s" in str(result)
 
 
 @pytest.mark.parametrize(
