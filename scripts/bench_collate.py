@@ -34,7 +34,11 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from skyrl_train.dataset.routes import collate_routed_experts  # noqa: E402
-from skyrl_train.utils.cpu_topology import affinity_cores, permitted_cpu_cores  # noqa: E402
+from skyrl_train.utils.cpu_topology import (  # noqa: E402
+    affinity_cores,
+    cpu_model,
+    permitted_cpu_cores,
+)
 from skyrl_train.utils.parallel import default_fill_workers  # noqa: E402
 
 
@@ -67,16 +71,6 @@ def _summary(seconds: list[float], nbytes: int) -> dict[str, float]:
         "max_ms": max(seconds) * 1e3,
         "median_gb_s": nbytes / med / 1e9,
     }
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def _check(serial: np.ndarray, parallel: np.ndarray, routes, prompts) -> None:
@@ -137,7 +131,7 @@ def main() -> None:
         "python": platform.python_version(),
         "numpy": np.__version__,
         "platform": platform.platform(),
-        "cpu": _cpu_model(),
+        "cpu": cpu_model(),
         "os_cpu_count": os.cpu_count(),
         "affinity_cores": affinity_cores(),
         "permitted_cores": permitted_cpu_cores(),

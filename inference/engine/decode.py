@@ -1,8 +1,12 @@
-"""One batched generation run: validation, left-padded prefill, KV-cached decode.
+"""One batched generation run: validation, prefill, KV-cached left-padded decode.
 
 Our own loop rather than ``generate()``: per-request seeds, stop sets, sample
 support and route rows fall out of it directly, and finished requests leave the
 batch (their cache rows are dropped) instead of decoding padding to the longest.
+
+A batch-invariant model (``inference.models.batch_invariant``) prefills all prompts
+packed into one row, without padding, and the cache is then laid out left-padded;
+the stock model prefills the left-padded batch.
 """
 
 from __future__ import annotations
@@ -13,10 +17,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from inference.engine.base import EngineOutput, EngineRequest, SamplingParams
+from inference.engine.base import EngineOutput, EngineRequest, SamplingParams, check_temperature
 from inference.engine.capture import RouteCapture
+from inference.engine.prefill import left_pad, packed_prefill
 from inference.engine.sampling import BatchSampler
 from inference.errors import RequestValidationError
+from inference.models.batch_invariant import is_batch_invariant
 
 __all__ = ["run_batch", "validate_request"]
 
@@ -58,14 +64,15 @@ def validate_request(
 
 
 def _validate_sampling(params: SamplingParams, *, field: str, vocab_size: int) -> None:
+    # The server's validation calls the same check, so HTTP and engine say the same.
+
     if not isinstance(params, SamplingParams):
         raise RequestValidationError(field, "a SamplingParams", type(params).__name__)
     if isinstance(params.max_tokens, bool) or not isinstance(params.max_tokens, int):
         raise RequestValidationError(f"{field}.max_tokens", "an int >= 1", params.max_tokens)
     if params.max_tokens < 1:
         raise RequestValidationError(f"{field}.max_tokens", "an int >= 1", params.max_tokens)
-    if not (isinstance(params.temperature, (int, float)) and 0 <= params.temperature < 1e4):
-        raise RequestValidationError(f"{field}.temperature", "a float >= 0", params.temperature)
+    check_temperature(params.temperature, field=f"{field}.temperature")
     if not (isinstance(params.top_p, (int, float)) and 0 < params.top_p <= 1):
         raise RequestValidationError(f"{field}.top_p", "a float in (0, 1]", params.top_p)
     if isinstance(params.top_k, bool) or not isinstance(params.top_k, int):
@@ -140,17 +147,25 @@ def run_batch(
     try:
         from transformers import DynamicCache
 
-        cache = DynamicCache(config=model.config)
-        capture.begin(batch, longest)
-        out = model(
-            input_ids=input_ids,
-            attention_mask=attention,
-            position_ids=positions,
-            cache=cache,
-            use_cache=True,
-            logits_to_keep=1,
-        )
-        prefill_routes = capture.end()
+        if is_batch_invariant(model):
+            capture.begin(1, sum(lengths))
+            prefill = packed_prefill(model, [r.prompt_token_ids for r in requests])
+            packed_routes = capture.end()
+            cache, logits = prefill.cache, prefill.logits
+            prefill_routes = None if packed_routes is None else left_pad(packed_routes[0], lengths)
+        else:
+            cache = DynamicCache(config=model.config)
+            capture.begin(batch, longest)
+            out = model(
+                input_ids=input_ids,
+                attention_mask=attention,
+                position_ids=positions,
+                cache=cache,
+                use_cache=True,
+                logits_to_keep=1,
+            )
+            logits = out.logits[:, -1]
+            prefill_routes = capture.end()
         if prefill_routes is not None:
             step_routes = torch.zeros(
                 (batch, max_new, *prefill_routes.shape[2:]), dtype=prefill_routes.dtype
@@ -159,7 +174,7 @@ def run_batch(
         next_pos = torch.tensor(lengths)
         step = 0
         while True:
-            sample = sampler.sample(out.logits[:, -1])
+            sample = sampler.sample(logits)
             tokens_buf[alive, step] = sample.tokens
             logprob_buf[alive, step] = sample.logprobs
             if sample.support_ids is not None:
@@ -191,6 +206,7 @@ def run_batch(
                 cache=cache,
                 use_cache=True,
             )
+            logits = out.logits[:, -1]
             routes = capture.end()
             if routes is not None and step_routes is not None:
                 step_routes[alive, step] = routes[:, 0]

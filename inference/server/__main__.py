@@ -36,9 +36,24 @@ def parse_args(argv: list[str] | None = None) -> tuple[EngineSpec, ServerConfig]
     parser.add_argument("--model-seed", type=int, default=0)
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32", "float16"))
     parser.add_argument("--model-name", default="tiny-moe")
+    parser.add_argument(
+        "--batch-invariant",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="outputs independent of what a request is batched with (default); "
+        "--no-batch-invariant runs the faster stock forward",
+    )
     parser.add_argument("--max-request-bytes", type=int, default=defaults.max_request_bytes)
     parser.add_argument("--max-new-tokens", type=int, default=defaults.max_new_tokens)
     parser.add_argument("--max-model-len", type=int, default=defaults.max_model_len)
+    parser.add_argument("--keepalive-timeout-s", type=float, default=defaults.keepalive_timeout_s)
+    parser.add_argument(
+        "--request-read-timeout-s", type=float, default=defaults.request_read_timeout_s
+    )
+    parser.add_argument(
+        "--weight-read-timeout-s", type=float, default=defaults.weight_read_timeout_s
+    )
+    parser.add_argument("--max-connections", type=int, default=defaults.max_connections)
     args = parser.parse_args(argv)
 
     api_key = None
@@ -58,15 +73,24 @@ def parse_args(argv: list[str] | None = None) -> tuple[EngineSpec, ServerConfig]
         seed=args.model_seed,
         dtype=args.dtype,
         model_name=args.model_name,
+        batch_invariant=args.batch_invariant,
     )
-    server = ServerConfig(
-        host=args.host,
-        port=args.port,
-        api_key=api_key,
-        max_request_bytes=args.max_request_bytes,
-        max_new_tokens=args.max_new_tokens,
-        max_model_len=args.max_model_len,
-    )
+    try:
+        server = ServerConfig(
+            host=args.host,
+            port=args.port,
+            api_key=api_key,
+            max_request_bytes=args.max_request_bytes,
+            max_new_tokens=args.max_new_tokens,
+            max_model_len=args.max_model_len,
+            keepalive_timeout_s=args.keepalive_timeout_s,
+            request_read_timeout_s=args.request_read_timeout_s,
+            weight_read_timeout_s=args.weight_read_timeout_s,
+            max_connections=args.max_connections,
+        )
+    except ValueError as exc:
+        hint = " (pass --api-key-env)" if api_key is None and "api_key" in str(exc) else ""
+        parser.error(f"{exc}{hint}")
     return engine, server
 
 

@@ -27,6 +27,10 @@ class EngineSpec:
     model_name: str = "tiny-moe"
     max_batch_size: int = 64
     batch_window_s: float = 0.005
+    batch_invariant: bool = True
+    """A request's output depends on its prompt and seed only, not on the requests the
+    batching window puts next to it (``inference.models.batch_invariant``); off is the
+    stock forward, faster at large batches (see scripts/bench_batch_invariance.py)."""
 
     def __post_init__(self) -> None:
         if self.checkpoint is not None and self.tiny_moe:
@@ -43,6 +47,7 @@ class EngineSpec:
             "model_name": self.model_name,
             "max_batch_size": self.max_batch_size,
             "batch_window_s": self.batch_window_s,
+            "batch_invariant": self.batch_invariant,
         }
         if self.checkpoint is not None:
             return HFMoEEngine.from_pretrained(self.checkpoint, dtype=self.dtype, **options)

@@ -89,3 +89,6 @@ def test_cli_arguments_map_to_the_configs(monkeypatch: pytest.MonkeyPatch) -> No
     assert engine == EngineSpec(tiny_moe={"num_experts": 4}, seed=3, dtype="float32")
     assert server.host == "127.0.0.1" and server.port == 0 and server.api_key == "k"
     assert server.max_new_tokens == 16
+    # Batch-invariant generation by default; --no-batch-invariant runs the stock forward.
+    assert engine.batch_invariant is True
+    assert parse_args(["--no-batch-invariant"])[0].batch_invariant is False
