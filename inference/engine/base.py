@@ -6,19 +6,49 @@ in later by implementing ``InferenceEngine`` without touching the server or clie
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import numbers
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 import numpy as np
 import torch
 
+from inference.errors import RequestValidationError
+
+# The sampler divides float32 logits by the temperature (inference/engine/sampling.py).
+# MIN: logits / T overflows float32 (max 3.4e38) to inf, and the softmax then gives NaN,
+# once |logit| > 3.4e38 * T. At T = 1e-6 that takes |logit| > 3.4e32, far past any model
+# output; at T = 1e-39 (a float32 subnormal) every |logit| > 0.34 overflows. Nothing is
+# lost by the cut: float32 exp(-x) is 0 for x > 104, so at T = 1e-6 every token whose
+# logit trails the top one by more than 1.04e-4 already has probability 0 (greedy).
+# MAX: T is finite in float32 up to 3.4e38 (1e308 becomes inf, and -inf / inf is NaN),
+# so the cap is about meaning: at T = 100 a 20-nat logit gap scales to 0.2, within a
+# factor e^0.2 = 1.22 of uniform; a larger T only adds noise and is far more likely a
+# unit mistake (70 sent for 0.7) than a wish.
+MIN_TEMPERATURE = 1e-6
+"""The smallest positive temperature; 0 means greedy."""
+MAX_TEMPERATURE = 100.0
+TEMPERATURE_RULE = f"0 (greedy) or a number in [{MIN_TEMPERATURE:g}, {MAX_TEMPERATURE:g}]"
+
+
+def check_temperature(value: object, *, field: str) -> float:
+    """``value`` as a float, or ``RequestValidationError(field, TEMPERATURE_RULE, value)``.
+
+    The one check for both the HTTP request and the engine, so both say the same.
+    """
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+        temperature = float(value)
+        if temperature == 0.0 or MIN_TEMPERATURE <= temperature <= MAX_TEMPERATURE:
+            return temperature
+    raise RequestValidationError(field, TEMPERATURE_RULE, value)
+
 
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 64
     temperature: float = 1.0
-    """0.0 means greedy."""
+    """0.0 means greedy; otherwise in [MIN_TEMPERATURE, MAX_TEMPERATURE]."""
     top_p: float = 1.0
     top_k: int = -1
     """-1 means no top-k cut."""
@@ -65,6 +95,9 @@ class EngineInfo:
     top_k: int
     vocab_size: int
     dtype: str
+    batch_invariant: bool = False
+    """True when a request's tokens, logprobs and routes do not depend on the requests
+    batched with it (same prompt and seed, same output, alone or in any batch)."""
 
 
 @runtime_checkable
@@ -81,3 +114,16 @@ class InferenceEngine(Protocol):
         ...
 
     async def close(self) -> None: ...
+
+
+@runtime_checkable
+class DescribesWeights(Protocol):
+    """An engine that can say what ``load_weights`` accepts without copying anything.
+
+    The server validates an upload's safetensors header against it before it reads a
+    byte of tensor data.
+    """
+
+    def parameter_shapes(self) -> Mapping[str, tuple[int, ...]]:
+        """Engine-layout name -> shape of every parameter ``load_weights`` accepts."""
+        ...

@@ -3,10 +3,13 @@
 Routes
 ------
 ``POST /skyrl/v1/generate``
+    ``Content-Type: application/json`` (a charset parameter, if any, utf-8).
     Request (JSON object; unknown keys are refused)::
 
         {"token_ids": [int, ...],                      # the prompt, required, >= 1 id
-         "sampling_params": {"max_tokens": int, "temperature": float, "top_p": float,
+         "sampling_params": {"max_tokens": int,
+                             "temperature": float,  # 0 (greedy) or in [1e-06, 100]
+                             "top_p": float,
                              "top_k": int (-1 = off), "seed": int | null,
                              "stop_token_ids": [int, ...],
                              "routed_experts_prompt_start": int},   # used with routes
@@ -33,14 +36,26 @@ Routes
     (false is accepted), and the choice carries only ``token_ids``, ``finish_reason``,
     ``logprobs``.
 ``POST /skyrl/v1/update_weights``
-    Body: a safetensors file of named tensors in the engine's layout. Reply
-    ``{"num_loaded": int}``. The engine loads them between batches.
+    ``Content-Type: application/octet-stream``. Body: a safetensors file of named
+    tensors in the engine's layout, any subset of its parameters, each once, with the
+    engine's shape and dtype F16, BF16 or F32. The body may be at most the model's
+    size as F32 plus a header (413 on a larger Content-Length, before reading it). The
+    header is checked whole before any tensor data is read, every value must be finite
+    in the engine's dtype, and uploads load one at a time, all or nothing: on any 4xx
+    the old weights keep serving. Reply ``{"num_loaded": int}``. Details:
+    ``inference.server.weights_upload``.
 ``GET /health``
     ``{"status": "ok", "model", "engine": {...}, "counters": {...}}``; needs no token.
 
 Every error is ``{"error": {"message", "type", "field"?}}`` with a 4xx/5xx status; a
-request that fails validation names its field and the server keeps serving. With an
-``api_key`` every route but ``/health`` needs ``Authorization: Bearer <key>``.
+request that fails validation names its field (expected, got) and the server keeps
+serving. A missing or wrong Content-Type is a 415; a 405 carries ``Allow``. With an
+``api_key`` every route but ``/health`` needs ``Authorization: Bearer <key>``; a host
+other than loopback needs an ``api_key``. Connections: idle ones close after
+``keepalive_timeout_s``; a request's headers and body must arrive within
+``request_read_timeout_s`` of its first byte (a slow body gets a 408, slow headers a
+closed connection); past ``max_connections`` a connection gets a 503 and is closed
+(``inference.server.connections``).
 """
 
 from __future__ import annotations
@@ -54,12 +69,21 @@ from dataclasses import dataclass
 from typing import Any
 
 import orjson
-from aiohttp import web
+from aiohttp import hdrs, web
 
 from inference.engine.base import InferenceEngine
 from inference.errors import RequestValidationError
+from inference.server.config import ServerConfig
+from inference.server.connections import clock_of, read_before, read_deadline
 from inference.server.render import render_generate_reply
-from inference.server.validation import RequestLimits, parse_generate_request
+from inference.server.validation import (
+    RequestLimits,
+    check_content_type,
+    parse_generate_request,
+)
+from inference.server.weights_upload import receive_weights
+
+__all__ = ["ServerConfig", "ServerCounters", "build_app", "error_response"]
 
 logger = logging.getLogger(__name__)
 
@@ -67,55 +91,6 @@ SKYRL_GENERATE = "/skyrl/v1/generate"
 PLAIN_GENERATE = "/inference/v1/generate"
 UPDATE_WEIGHTS = "/skyrl/v1/update_weights"
 HEALTH = "/health"
-
-
-@dataclass(frozen=True)
-class ServerConfig:
-    """Everything the server enforces; all limits are explicit and bounded."""
-
-    host: str = "127.0.0.1"
-    """Loopback by default: the server has no TLS, so exposing it is a deliberate act."""
-    port: int = 0
-    """0 lets the OS pick a free port; the bound URL is reported on start."""
-    api_key: str | None = None
-    max_request_bytes: int = 16 * 1024 * 1024
-    """Generate request bodies; at about 7 bytes per token id, 16 MiB holds prompts of
-    over 2M tokens, so only abuse hits it."""
-    max_weight_bytes: int = 4 * 1024**3
-    max_new_tokens: int = 4096
-    max_model_len: int = 2048
-    max_sample_support_k: int = 64
-    default_sample_support_k: int = 8
-    max_pending_requests: int = 4096
-    """Beyond this many generate requests in flight the server answers 503 with
-    Retry-After instead of queueing without bound."""
-    retry_after_s: int = 1
-
-    def __post_init__(self) -> None:
-        for name in (
-            "max_request_bytes",
-            "max_weight_bytes",
-            "max_new_tokens",
-            "max_model_len",
-            "max_sample_support_k",
-            "max_pending_requests",
-        ):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"ServerConfig.{name}: expected an int >= 1, got {value!r}")
-        if not 0 <= self.port <= 65535:
-            raise ValueError(f"ServerConfig.port: expected an int in [0, 65535], got {self.port!r}")
-        if not 1 <= self.default_sample_support_k <= self.max_sample_support_k:
-            raise ValueError(
-                f"ServerConfig.default_sample_support_k: expected an int in "
-                f"[1, {self.max_sample_support_k}], got {self.default_sample_support_k!r}"
-            )
-        if self.retry_after_s < 0:
-            raise ValueError(
-                f"ServerConfig.retry_after_s: expected >= 0, got {self.retry_after_s!r}"
-            )
-        if self.api_key is not None and not self.api_key:
-            raise ValueError("ServerConfig.api_key: expected None or a non-empty token, got ''")
 
 
 @dataclass
@@ -135,6 +110,7 @@ _ENGINE = web.AppKey("engine", InferenceEngine)
 _CONFIG = web.AppKey("config", ServerConfig)
 _LIMITS = web.AppKey("limits", RequestLimits)
 _COUNTERS = web.AppKey("counters", ServerCounters)
+_WEIGHT_LOCK = web.AppKey("weight_lock", asyncio.Lock)
 
 
 def build_app(engine: InferenceEngine, config: ServerConfig) -> web.Application:
@@ -150,13 +126,20 @@ def build_app(engine: InferenceEngine, config: ServerConfig) -> web.Application:
     )
     counters = ServerCounters()
     app = web.Application(
-        middlewares=[_error_middleware(counters), _auth_middleware(config.api_key)],
-        client_max_size=max(config.max_request_bytes, config.max_weight_bytes),
+        middlewares=[
+            _clock_middleware,
+            _error_middleware(counters),
+            _auth_middleware(config.api_key),
+        ],
+        # Only request.read() would use it; bodies are read by the handlers' own
+        # bounded readers (generate: max_request_bytes, weights: the model's size).
+        client_max_size=config.max_request_bytes,
     )
     app[_ENGINE] = engine
     app[_CONFIG] = config
     app[_LIMITS] = limits
     app[_COUNTERS] = counters
+    app[_WEIGHT_LOCK] = asyncio.Lock()
     app.router.add_post(SKYRL_GENERATE, _generate_handler(allow_side_channels=True))
     app.router.add_post(PLAIN_GENERATE, _generate_handler(allow_side_channels=False))
     app.router.add_post(UPDATE_WEIGHTS, _update_weights)
@@ -175,6 +158,11 @@ class Overloaded(Exception):
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
+# aiohttp's exceptions carry their own body headers; the JSON body replaces those.
+_BODY_HEADERS = frozenset(
+    h.lower() for h in (hdrs.CONTENT_TYPE, hdrs.CONTENT_LENGTH, hdrs.CONTENT_ENCODING)
+)
+
 
 def error_response(
     status: int, message: str, error_type: str, *, field: str | None = None
@@ -187,6 +175,19 @@ def error_response(
     )
 
 
+@web.middleware
+async def _clock_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Hands the connection's header clock to the app for the request's lifetime."""
+    clock = clock_of(request)
+    if clock is None:
+        return await handler(request)
+    clock.begin_request()
+    try:
+        return await handler(request)
+    finally:
+        clock.end_request()
+
+
 def _error_middleware(counters: ServerCounters) -> Any:
     @web.middleware
     async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -195,7 +196,10 @@ def _error_middleware(counters: ServerCounters) -> Any:
             return await handler(request)
         except RequestValidationError as exc:
             counters.rejected += 1
-            return error_response(exc.status, str(exc), type(exc).__name__, field=exc.field)
+            response = error_response(exc.status, str(exc), type(exc).__name__, field=exc.field)
+            if exc.status in (408, 413):
+                response.force_close()  # the rest of that body is not worth reading
+            return response
         except Overloaded as exc:
             counters.failed += 1
             response = error_response(503, f"server overloaded: {exc}", "Overloaded")
@@ -205,7 +209,11 @@ def _error_middleware(counters: ServerCounters) -> Any:
             if exc.status < 400:
                 raise
             counters.rejected += exc.status < 500
-            return error_response(exc.status, exc.text or exc.reason, type(exc).__name__)
+            response = error_response(exc.status, exc.text or exc.reason, type(exc).__name__)
+            for name, value in exc.headers.items():  # 405's Allow, for one
+                if name.lower() not in _BODY_HEADERS:
+                    response.headers[name] = value
+            return response
         except Exception as exc:
             counters.failed += 1
             logger.exception("%s %s failed", request.method, request.path)
@@ -234,27 +242,34 @@ def _auth_middleware(api_key: str | None) -> Any:
 
 
 async def read_limited(request: web.Request, limit: int) -> bytes:
-    """The body, refusing with 413 as soon as it exceeds ``limit`` bytes."""
+    """The body, refusing with 413 as soon as it exceeds ``limit`` bytes, and with 408
+    when it has not all arrived by the request's read deadline."""
     declared = request.content_length
     if declared is not None and declared > limit:
         raise RequestValidationError(
             "body", f"at most {limit} bytes", f"{declared} bytes", status=413
         )
-    chunks: list[bytes] = []
-    size = 0
-    async for chunk in request.content.iter_chunked(1 << 16):
-        size += len(chunk)
-        if size > limit:
-            raise RequestValidationError(
-                "body", f"at most {limit} bytes", f"more than {limit} bytes", status=413
-            )
-        chunks.append(chunk)
-    return b"".join(chunks)
+
+    async def read() -> bytes:
+        chunks: list[bytes] = []
+        size = 0
+        async for chunk in request.content.iter_chunked(1 << 16):
+            size += len(chunk)
+            if size > limit:
+                raise RequestValidationError(
+                    "body", f"at most {limit} bytes", f"more than {limit} bytes", status=413
+                )
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    timeout_s = request.app[_CONFIG].request_read_timeout_s
+    return await read_before(read(), read_deadline(request, timeout_s))
 
 
 def _generate_handler(*, allow_side_channels: bool) -> Handler:
     async def handler(request: web.Request) -> web.Response:
         app = request.app
+        check_content_type(request.headers.get(hdrs.CONTENT_TYPE), "application/json")
         raw = await read_limited(request, app[_CONFIG].max_request_bytes)
         try:
             body = orjson.loads(raw)
@@ -287,26 +302,20 @@ def _generate_handler(*, allow_side_channels: bool) -> Handler:
 
 
 async def _update_weights(request: web.Request) -> web.Response:
-    from safetensors import SafetensorError
-    from safetensors.torch import load
-
     app = request.app
-    raw = await read_limited(request, app[_CONFIG].max_weight_bytes)
     try:
-        tensors = load(raw)
-    except (SafetensorError, ValueError) as exc:
-        raise RequestValidationError(
-            "body", "a safetensors file of named tensors", str(exc)
-        ) from None
-    if not tensors:
-        raise RequestValidationError("body", "at least one tensor", "an empty safetensors file")
-    try:
-        # In a thread: the engine loads between batches (its own model lock), and the
-        # event loop must keep answering while a batch finishes.
-        count = await asyncio.to_thread(app[_ENGINE].load_weights, list(tensors.items()))
+        count = await receive_weights(
+            request,
+            app[_ENGINE],
+            lock=app[_WEIGHT_LOCK],
+            header_deadline=read_deadline(request, app[_CONFIG].request_read_timeout_s),
+            data_timeout_s=app[_CONFIG].weight_read_timeout_s,
+        )
+    except RequestValidationError:
+        raise
     except (KeyError, ValueError) as exc:
-        # The engine's message names the tensor (unknown name, shape); quoted whole,
-        # since a truncated "got" would cut off exactly that name.
+        # Another engine's own refusal; its message names the tensor, so it is quoted
+        # whole (a truncated "got" would cut off exactly that name).
         app[_COUNTERS].rejected += 1
         return error_response(400, f"body: {exc}", "WeightUpdateError")
     app[_COUNTERS].weight_updates += 1

@@ -15,17 +15,25 @@ from aiohttp import web
 
 from inference.engine.base import InferenceEngine
 from inference.server.app import ServerConfig, build_app
+from inference.server.connections import ConnectionGuard, GuardedTCPSite
 
 # Long enough for an in-flight CPU batch to finish, short enough not to hang a shutdown.
 _SHUTDOWN_GRACE_S = 5.0
+# After a reply to a request whose body was not read (a 401, 413 or 415 on a large
+# upload), aiohttp drains the rest for this long so the client sees the reply rather
+# than a reset; its default of 10 s would read a refused upload's garbage (or hold a
+# 408'd trickling client) ten times as long.
+_LINGER_S = 1.0
 
 
 class RunningServer:
     """A started server in the current event loop; ``url`` is what it bound."""
 
-    def __init__(self, runner: web.AppRunner, url: str) -> None:
+    def __init__(self, runner: web.AppRunner, url: str, guard: ConnectionGuard) -> None:
         self._runner = runner
         self.url = url
+        self.guard = guard
+        """Its connection cap and header clock; ``guard.open_connections`` counts."""
 
     async def stop(self) -> None:
         """Stop listening, finish in-flight requests (bounded), close the engine."""
@@ -35,11 +43,22 @@ class RunningServer:
 async def start_server(engine: InferenceEngine, config: ServerConfig) -> RunningServer:
     """Serve ``engine`` on ``config.host:config.port`` (port 0: the OS picks one)."""
     runner = web.AppRunner(
-        build_app(engine, config), access_log=None, shutdown_timeout=_SHUTDOWN_GRACE_S
+        build_app(engine, config),
+        access_log=None,
+        shutdown_timeout=_SHUTDOWN_GRACE_S,
+        keepalive_timeout=config.keepalive_timeout_s,
+        lingering_time=_LINGER_S,
     )
     await runner.setup()
     try:
-        site = web.TCPSite(runner, config.host, config.port)
+        site = GuardedTCPSite(
+            runner,
+            config.host,
+            config.port,
+            max_connections=config.max_connections,
+            read_timeout_s=config.request_read_timeout_s,
+            retry_after_s=config.retry_after_s,
+        )
         await site.start()
         host, port = runner.addresses[0][:2]
     except BaseException:
@@ -47,7 +66,7 @@ async def start_server(engine: InferenceEngine, config: ServerConfig) -> Running
         raise
     # An IPv6 literal needs brackets in a URL.
     shown = f"[{host}]" if ":" in host else host
-    return RunningServer(runner, f"http://{shown}:{port}")
+    return RunningServer(runner, f"http://{shown}:{port}", site.guard)
 
 
 class ServerThread:

@@ -3,7 +3,8 @@
 Each failure is a ``RequestValidationError`` naming the JSON path, what was expected
 and what came (``$.sampling_params.top_p: expected a number in (0, 1], got 1.5``);
 the server answers it with a 4xx and keeps serving. Unknown keys are refused rather
-than ignored: a misspelt ``max_token`` silently generating 64 tokens is worse.
+than ignored: a misspelt ``max_token`` silently generating 64 tokens is worse. The
+temperature rule is the engine's own (``check_temperature``), so both say the same.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from inference.engine.base import EngineRequest, SamplingParams
+from inference.engine.base import EngineRequest, SamplingParams, check_temperature
 from inference.errors import RequestValidationError
 
 SIDE_CHANNEL_KEYS = ("return_routed_experts", "return_sample_support", "return_packed_body")
@@ -40,6 +41,21 @@ class RequestLimits:
     max_new_tokens: int
     max_sample_support_k: int
     default_sample_support_k: int
+
+
+def check_content_type(header: str | None, expected: str) -> None:
+    """A 415 ``RequestValidationError`` unless the ``Content-Type`` header value names
+    ``expected``; a ``charset`` parameter is allowed when it says UTF-8 (all we parse)."""
+    media_type, *params = (header or "").split(";")
+    charsets = [
+        value.strip().strip('"').lower()
+        for key, _, value in (p.partition("=") for p in params)
+        if key.strip().lower() == "charset"
+    ]
+    if media_type.strip().lower() != expected or any(c not in ("utf-8", "utf8") for c in charsets):
+        raise RequestValidationError(
+            "Content-Type", f"{expected} (a charset, if any, utf-8)", header, status=415
+        )
 
 
 def parse_generate_request(
@@ -111,9 +127,9 @@ def _sampling(params: dict[str, Any], limits: RequestLimits, *, prompt_len: int)
     max_tokens = _int(
         params.get("max_tokens", min(defaults.max_tokens, room)), f"{path}.max_tokens", 1, room
     )
-    temperature = _number(params.get("temperature", defaults.temperature), f"{path}.temperature")
-    if temperature < 0:
-        raise RequestValidationError(f"{path}.temperature", "a finite number >= 0", temperature)
+    temperature = check_temperature(
+        params.get("temperature", defaults.temperature), field=f"{path}.temperature"
+    )
     top_p = _number(params.get("top_p", defaults.top_p), f"{path}.top_p")
     if not 0 < top_p <= 1:
         raise RequestValidationError(f"{path}.top_p", "a number in (0, 1]", top_p)
@@ -128,7 +144,7 @@ def _sampling(params: dict[str, Any], limits: RequestLimits, *, prompt_len: int)
     )
     return SamplingParams(
         max_tokens=max_tokens,
-        temperature=float(temperature),
+        temperature=temperature,
         top_p=float(top_p),
         top_k=top_k,
         seed=seed,

@@ -241,6 +241,6 @@ def test_weight_update_changes_the_served_model_then_restores(live_server) -> No
     assert loaded == restored == 1
     # A zero head gives uniform logits: every logprob is -log(vocab).
     assert flat.logprobs == pytest.approx([-math.log(264)] * len(flat.logprobs), abs=1e-3)
-    assert bad.status == 400 and bad.error_type == "WeightUpdateError"
+    assert bad.status == 400 and bad.error_type == "RequestValidationError"
     assert "lm_head.weightz" in bad.message
     assert not all(x == pytest.approx(-math.log(264), abs=1e-3) for x in again.logprobs)

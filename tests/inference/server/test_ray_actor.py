@@ -17,14 +17,15 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture
-def local_ray(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    # Ray 2.60 turns token auth on by default; a throwaway local cluster does not need it.
-    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+def local_ray() -> Iterator[None]:
+    # The launch's own start-up: loopback only, Ray's token authentication on.
+    from skyrl_train.utils.ray_session import start_ray
+
+    session = start_ray(address=None, num_cpus=2, runtime_env={})
     try:
         yield
     finally:
-        ray.shutdown()
+        session.shutdown()
 
 
 def port_accepts(url: str) -> bool:
