@@ -3,12 +3,18 @@ reports bad data or bad configuration, which retrying cannot fix.
 
     ValueError
       ConfigValidationError   a config key is inconsistent or unsupported (names the key)
+      CheckpointError         a checkpoint file is missing, extra, damaged or unreadable
+                              (names the config key and the file)
+      NonFiniteError          the loss, grad norm or a weight went NaN/inf (names the
+                              quantity, the step and, for weights, the parameter)
       RouteTraceError         a turn's routes do not fit the trajectory (names trajectory, turn)
       CollationError          a sample cannot be collated into the batch (names trajectory)
       RouteReplayError        routes cannot be replayed by the trainer (names trajectory, layer)
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 
 class ConfigValidationError(ValueError):
@@ -18,6 +24,38 @@ class ConfigValidationError(ValueError):
         self.key = key
         self.reason = reason
         super().__init__(f"{key}: {reason}")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint folder does not hold what its manifest says it should.
+
+    ``key`` is the config key that pointed at it (``trainer.resume_from``), ``path``
+    the offending file; the message reads ``key: path: expected ..., got ...``.
+    """
+
+    def __init__(self, key: str, path: str | Path, *, expected: str, got: str) -> None:
+        self.key = key
+        self.path = Path(path)
+        self.expected = expected
+        self.got = got
+        super().__init__(f"{key}: {path}: expected {expected}, got {got}")
+
+
+class NonFiniteError(ValueError):
+    """A training quantity went NaN or infinite; the run stops before the weights
+    reach the inference servers or a checkpoint.
+
+    ``quantity`` is the metric name (``train/policy_loss``, ``train/grad_norm``) or
+    ``weights``; ``parameter`` names the first bad parameter (weights only, else None).
+    """
+
+    def __init__(
+        self, quantity: str, *, step: int, reason: str, parameter: str | None = None
+    ) -> None:
+        self.quantity = quantity
+        self.step = step
+        self.parameter = parameter
+        super().__init__(f"{quantity} at step {step}: {reason}")
 
 
 class RouteTraceError(ValueError):

@@ -3,6 +3,12 @@
 Every step is a pure function of (config, step number, policy state): its prompts
 and request seeds derive from the step number, so a run resumed from a checkpoint
 takes exactly the steps an uninterrupted run would have taken.
+
+A run owns the steps after the one it starts from: resumed into the folder it was
+checkpointed from, it first drops the ``metrics.jsonl`` lines (and TensorBoard
+events) of the steps it is about to take again, so each step appears once; a fresh
+run (start step 0) replaces the folder's metrics. Checkpoints are written crash-safely
+and verified on resume (``checkpoint.py``); ``trainer.max_ckpts_to_keep`` bounds them.
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ import asyncio
 import dataclasses
 import json
 import random
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -24,6 +31,14 @@ from skyrl_train.config.schema import PPOConfig
 from skyrl_train.dataset.preprocess import convert_to_training_batch
 from skyrl_train.generators.base import GeneratorInput, GeneratorOutput
 from skyrl_train.generators.gym_generator import GymGenerator, GymGeneratorConfig
+from skyrl_train.trainer.checkpoint import (
+    DRIVER_FILE,
+    begin_save,
+    commit_save,
+    prune_checkpoints,
+    verify_checkpoint,
+    write_file,
+)
 from skyrl_train.utils.tracking import MetricsTracker, format_metrics_line
 
 EVAL_SEED_OFFSET = 1_000_003
@@ -104,7 +119,13 @@ class GRPOLoop:
         from inference.client import RemoteGenerateClient
 
         t = self.cfg.trainer
-        tracker = MetricsTracker(self.run_dir, tensorboard=self.cfg.logging.tensorboard)
+        # Lines of steps after start_step (left by the run this one resumes) are dropped.
+        tracker = MetricsTracker(
+            self.run_dir,
+            jsonl=self.cfg.logging.jsonl,
+            tensorboard=self.cfg.logging.tensorboard,
+            start_step=start_step,
+        )
         clients = [RemoteGenerateClient(url, api_key=self.api_key) for url in self.server_urls]
         bar = tqdm(
             total=t.num_steps,
@@ -118,8 +139,7 @@ class GRPOLoop:
                 metrics = await self.train_step(step, clients)
                 if t.eval_interval and (step % t.eval_interval == 0 or step == t.num_steps):
                     metrics.update(await self.evaluate(clients))
-                if self.cfg.logging.jsonl:
-                    tracker.log(step, metrics)
+                tracker.log(step, metrics)
                 history.append(metrics)
                 bar.update(1)
                 tqdm.write(format_metrics_line(step, metrics, LINE_KEYS))
@@ -154,7 +174,8 @@ class GRPOLoop:
             eps=algo.advantage_eps,
         ).advantages
         collated = time.perf_counter()
-        metrics = dict(await self.policy.train(batch, advantages))
+        # Raises NonFiniteError on a NaN/inf loss, grad norm or weight: nothing is pushed.
+        metrics = dict(await self.policy.train(batch, advantages, step=step))
         trained = time.perf_counter()
         metrics.update(await self.policy.push_weights(self.server_urls, api_key=self.api_key))
         synced = time.perf_counter()
@@ -187,23 +208,32 @@ class GRPOLoop:
     # ---- checkpoints -------------------------------------------------------------------
 
     async def save_checkpoint(self, step: int) -> Path:
-        folder = self.run_dir / "checkpoints" / f"step_{step:06d}"
-        await self.policy.save_checkpoint(str(folder))
-        (folder / "driver.json").write_text(json.dumps({"step": step}))
-        return folder
+        """Write ``checkpoints/step_NNNNNN`` whole or not at all, then delete the oldest
+        beyond ``trainer.max_ckpts_to_keep``; returns the committed folder."""
+        root = self.run_dir / "checkpoints"
+        folder = begin_save(root, step=step)
+        try:
+            await self.policy.save_checkpoint(str(folder))
+            driver = {"step": step, "world_size": self.cfg.trainer.placement.num_trainers}
+            write_file(folder / DRIVER_FILE, json.dumps(driver).encode())
+            final = commit_save(folder, step=step)
+        except Exception:
+            # Best effort (a rank may still be writing): what is left is a temp folder,
+            # never resumed from and removed by the next save.
+            shutil.rmtree(folder, ignore_errors=True)
+            raise
+        prune_checkpoints(root, keep=self.cfg.trainer.max_ckpts_to_keep, current_step=step)
+        return final
 
     async def load_checkpoint(self, folder: str | Path) -> int:
-        """Restores the policy from ``folder`` and returns the step it was taken at."""
-        folder = Path(folder)
-        state_file = folder / "driver.json"
-        if not state_file.is_file():
-            raise FileNotFoundError(
-                f"trainer.resume_from: expected a checkpoint folder holding driver.json, "
-                f"got {str(folder)!r}"
-            )
-        step = int(json.loads(state_file.read_text())["step"])
-        await self.policy.load_checkpoint(str(folder))
-        return step
+        """Restores the policy from ``folder`` and returns the step it was taken at.
+
+        Checks the file set and sizes against the manifest; the launch already hashed
+        every file (``verify_resume``) before Ray started, so that pass is not repeated.
+        """
+        found = verify_checkpoint(folder, hash_files=False)
+        await self.policy.load_checkpoint(str(found.folder))
+        return found.step
 
 
 def _step_seed(seed: int, step: int) -> int:

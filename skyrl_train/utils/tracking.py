@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import os
+import secrets
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -32,16 +34,32 @@ PLOT_PANELS: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = (
 
 
 class MetricsTracker:
-    """Appends ``{"step": n, **metrics}`` to ``<run_dir>/metrics.jsonl``.
+    """Appends ``{"step": n, **metrics}`` to ``<run_dir>/metrics.jsonl`` (when ``jsonl``).
+
+    A run starting after ``start_step`` (0 for a fresh run, the checkpoint's step for a
+    resumed one) owns every later step: lines of steps > ``start_step`` that an earlier
+    run left in the folder are dropped first (``drop_steps_after``, an atomic rewrite),
+    so a run resumed into its own folder holds each step exactly once, and TensorBoard
+    is told to purge its events from ``start_step + 1`` on.
 
     TensorBoard logging is optional: it is used when ``tensorboard`` imports, and
     silently skipped otherwise, because the default install must stay small.
     """
 
-    def __init__(self, run_dir: str | Path, *, tensorboard: bool = True) -> None:
+    def __init__(
+        self,
+        run_dir: str | Path,
+        *,
+        jsonl: bool = True,
+        tensorboard: bool = True,
+        start_step: int = 0,
+    ) -> None:
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.run_dir / "metrics.jsonl"
+        self.jsonl = jsonl
+        if jsonl:
+            drop_steps_after(self.path, start_step)
         self._writer: Any = None
         if tensorboard:
             try:
@@ -49,12 +67,15 @@ class MetricsTracker:
             except ImportError:
                 self._writer = None
             else:
-                self._writer = SummaryWriter(str(self.run_dir / "tensorboard"))
+                self._writer = SummaryWriter(
+                    str(self.run_dir / "tensorboard"), purge_step=start_step + 1
+                )
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
         clean = {k: _finite_or_none(v) for k, v in metrics.items()}
-        with self.path.open("ab") as fh:
-            fh.write(orjson.dumps({"step": step, **clean}) + b"\n")
+        if self.jsonl:
+            with self.path.open("ab") as fh:
+                fh.write(orjson.dumps({"step": step, **clean}) + b"\n")
         if self._writer is not None:
             for key, value in clean.items():
                 if value is not None:
@@ -64,6 +85,44 @@ class MetricsTracker:
         if self._writer is not None:
             self._writer.close()
             self._writer = None
+
+
+def drop_steps_after(path: str | Path, step: int) -> int:
+    """Keep only the lines of ``path`` with a step <= ``step``; returns how many went.
+
+    The file is rewritten beside itself, fsynced and renamed over the original, so a
+    crash leaves the old file or the new one. A line that does not parse (the torn
+    last line of a killed run) is dropped with the rest.
+    """
+    path = Path(path)
+    if not path.is_file():
+        return 0
+    kept, dropped = [], 0
+    for line in path.read_bytes().splitlines():
+        if not line.strip():
+            continue
+        try:
+            line_step = orjson.loads(line)["step"]
+            keep = isinstance(line_step, int) and line_step <= step
+        except (orjson.JSONDecodeError, KeyError, TypeError):
+            keep = False
+        if keep:
+            kept.append(line + b"\n")
+        else:
+            dropped += 1
+    if dropped:
+        tmp = path.with_name(f"{path.name}.tmp-{secrets.token_hex(4)}")
+        with tmp.open("wb") as fh:
+            fh.write(b"".join(kept))
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+        fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(fd)  # the rename is durable once the folder is synced
+        finally:
+            os.close(fd)
+    return dropped
 
 
 def _finite_or_none(value: Any) -> float | None:

@@ -250,7 +250,11 @@ class MegatronPolicyWorker:
             losses.append(float(loss.detach()))
         self._sync_gradients()
         grad_norm = self._clip_gradients()
-        optimizer.step()
+        # A NaN norm passes the clip (NaN > limit is False) and AdamW would write NaN
+        # into every parameter it touches; skipped, the weights stay as they were and
+        # the trainer stops the run on the reported norm (trainer/finite.py).
+        if math.isfinite(grad_norm):
+            optimizer.step()
         return TrainStepResult(
             loss=sum(losses) / len(losses),
             grad_norm=grad_norm,

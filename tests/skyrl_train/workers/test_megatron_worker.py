@@ -259,3 +259,15 @@ def test_replay_of_bf16_engine_routes_cuts_logprob_mismatch(worker) -> None:
     assert worker.router_agreement(batch, replay_routes=True) == 1.0
     assert gaps[True].mean() < gaps[False].mean()
     assert gaps[True].max() < gaps[False].max()
+
+
+def test_a_non_finite_gradient_skips_the_optimizer_step(worker) -> None:
+    batch = _text_batch()
+    before = {n: p.detach().clone() for n, p in worker.model.named_parameters()}
+    result = worker.train_step(
+        batch, loss_fn=lambda lp, mb: lp.sum() * float("nan"), micro_batch_size=4
+    )
+    assert not np.isfinite(result.grad_norm)
+    # The weights the servers would receive are still the ones before the bad step.
+    for name, param in worker.model.named_parameters():
+        assert torch.equal(param, before[name]), name
