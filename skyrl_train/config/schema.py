@@ -88,6 +88,10 @@ class InferenceEngineConfig:
     batch_window_ms: float = 5.0
     """How long the server waits to gather requests into one forward batch."""
     max_batch_size: int = 64
+    batch_invariant: bool = True
+    """Generation independent of which requests share a batch (same prompt and seed,
+    same tokens, logprobs and routes); the batching window otherwise makes identical
+    runs diverge. Off runs the stock forward, faster at batch 64."""
     num_cpus_per_engine: float = 1.0
     """Ray CPU reservation of one server actor."""
 
@@ -204,7 +208,14 @@ class TrainerConfig:
     """Prompts per evaluation (one greedy sample each)."""
     ckpt_interval: int = 0
     """Steps between checkpoints; 0 turns checkpointing off."""
+    max_ckpts_to_keep: int | None = -1
+    """Complete checkpoints kept under ``<run_dir>/checkpoints``: after each save the
+    oldest beyond this many are deleted (never the one just written). -1 or None keeps
+    all (SkyRL's key and default)."""
     resume_from: str | None = None
+    """A ``step_NNNNNN`` checkpoint folder; verified against its manifest at launch,
+    before Ray starts. Resumed into the run_dir it came from, the run first drops
+    the metrics lines of the steps after the checkpoint's (each step is logged once)."""
     run_dir: str = "runs/r3_grpo"
     placement: PlacementConfig = field(default_factory=PlacementConfig)
     policy: PolicyConfig = field(default_factory=PolicyConfig)

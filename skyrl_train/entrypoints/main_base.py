@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
+import secrets
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +33,8 @@ class Job:
     policy: Any
     """The ``PolicyGroup``: one actor per trainer rank."""
     loop: Any
+    api_key: str = field(repr=False)
+    """The run's bearer token, shared by its servers and clients only."""
 
     def train(self) -> list[dict[str, float]]:
         async def go() -> list[dict[str, float]]:
@@ -41,7 +43,7 @@ class Job:
                 start = await self.loop.load_checkpoint(self.cfg.trainer.resume_from)
             # The servers built their own bf16 copy; pushing the trainer's weights first
             # makes rollout and trainer start from the same tensors, resumed runs included.
-            await self.policy.push_weights(self.server_urls)
+            await self.policy.push_weights(self.server_urls, api_key=self.api_key)
             return await self.loop.run(start_step=start)
 
         return asyncio.run(go())
@@ -54,14 +56,26 @@ def launch(cfg: PPOConfig) -> Iterator[Job]:
     from inference.server.actor import create_server_actor
     from inference.server.app import ServerConfig
     from inference.server.launch import EngineSpec
+    from skyrl_train.trainer.checkpoint import verify_resume
     from skyrl_train.trainer.loop import GRPOLoop
     from skyrl_train.trainer.policy_group import PolicyGroup
+    from skyrl_train.utils.ray_session import start_ray
 
     validate_cfg(cfg)
+    # Hash trainer.resume_from against its manifest now: a damaged checkpoint fails in
+    # seconds naming the file, not after Ray and every actor have started.
+    verify_resume(cfg)
     run_dir = Path(cfg.trainer.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     tokenizer = load_tokenizer(save_byte_tokenizer(run_dir / "tokenizer"))
-    started_ray = _init_ray(cfg)
+    # One bearer token per run, handed to servers and clients as Ray call arguments:
+    # never on a command line (ps shows those) and never printed.
+    api_key = secrets.token_urlsafe(32)
+    ray_session = start_ray(
+        address=cfg.ray.address,
+        num_cpus=cfg.ray.num_cpus if cfg.ray.address is None else None,
+        runtime_env=cfg.ray.runtime_env,
+    )
     servers: list[Any] = []
     policy: Any = None
     try:
@@ -74,12 +88,13 @@ def launch(cfg: PPOConfig) -> Iterator[Job]:
             model_name=engine.model_name,
             max_batch_size=engine.max_batch_size,
             batch_window_s=engine.batch_window_ms / 1000.0,
+            batch_invariant=engine.batch_invariant,
         )
         urls = []
         for _ in range(engine.num_engines):
             handle, url = create_server_actor(
                 spec,
-                ServerConfig(host=engine.host, port=engine.port),
+                ServerConfig(host=engine.host, port=engine.port, api_key=api_key),
                 num_cpus=engine.num_cpus_per_engine,
             )
             servers.append(handle)
@@ -87,11 +102,16 @@ def launch(cfg: PPOConfig) -> Iterator[Job]:
         policy = PolicyGroup.place(cfg, pad_token_id=EOS_TOKEN_ID)
         policy.setup()
         loop = GRPOLoop(
-            cfg, tokenizer=tokenizer, server_urls=urls, policy=policy, pad_token_id=EOS_TOKEN_ID
+            cfg,
+            tokenizer=tokenizer,
+            server_urls=urls,
+            policy=policy,
+            pad_token_id=EOS_TOKEN_ID,
+            api_key=api_key,
         )
-        yield Job(cfg=cfg, server_urls=urls, policy=policy, loop=loop)
+        yield Job(cfg=cfg, server_urls=urls, policy=policy, loop=loop, api_key=api_key)
     finally:
-        _teardown(servers, policy, started_ray)
+        _teardown(servers, policy, ray_session)
 
 
 def run(cfg: PPOConfig) -> list[dict[str, float]]:
@@ -107,25 +127,7 @@ def run(cfg: PPOConfig) -> list[dict[str, float]]:
     return history
 
 
-def _init_ray(cfg: PPOConfig) -> bool:
-    """Joins ``ray.address`` or starts a local Ray; returns whether we started it."""
-    import ray
-
-    if ray.is_initialized():
-        return False
-    if cfg.ray.address is None:
-        # Ray 2.60 turns token auth on by default; a local run has no token to present.
-        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(
-        address=cfg.ray.address,
-        num_cpus=cfg.ray.num_cpus if cfg.ray.address is None else None,
-        runtime_env=dict(cfg.ray.runtime_env) or None,
-        include_dashboard=False,
-    )
-    return True
-
-
-def _teardown(servers: list[Any], policy: Any, started_ray: bool) -> None:
+def _teardown(servers: list[Any], policy: Any, ray_session: Any) -> None:
     import ray
 
     for handle in servers:
@@ -136,8 +138,7 @@ def _teardown(servers: list[Any], policy: Any, started_ray: bool) -> None:
         ray.kill(handle)
     if policy is not None:
         policy.kill()
-    if started_ray:
-        ray.shutdown()
+    ray_session.shutdown()
 
 
 @hydra.main(config_path=str(CONFIG_DIR), config_name=CONFIG_NAME, version_base="1.3")

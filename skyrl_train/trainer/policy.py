@@ -13,9 +13,11 @@ With several ranks each one runs this on its own shard of the batch
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import os
 import random
 import socket
+import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,8 +30,10 @@ from inference.models.tiny_moe import build_hf_model
 from skyrl_train.algorithms import logprob_mismatch, ppo_policy_loss
 from skyrl_train.config.schema import PPOConfig
 from skyrl_train.dataset.batch import TrainingBatch
-from skyrl_train.errors import ConfigValidationError
+from skyrl_train.errors import CheckpointError, ConfigValidationError
+from skyrl_train.trainer.checkpoint import RESUME_KEY, write_file
 from skyrl_train.trainer.data_parallel import ROWS_KEY
+from skyrl_train.trainer.finite import require_finite, require_finite_weights
 from skyrl_train.trainer.weight_sync import WeightSyncer
 from skyrl_train.workers.megatron.layout import slice_batch
 from skyrl_train.workers.megatron.worker import MegatronPolicyWorker, OptimizerSettings
@@ -61,7 +65,7 @@ class PolicyTrainer:
 
     Construction only stores the config; ``setup`` joins torch.distributed (when
     ``world_size > 1``) and builds the model, so rank 0 can first pick the rendezvous
-    address on its own node (``rendezvous_address``).
+    on its own node (``rendezvous``).
     """
 
     def __init__(self, cfg: PPOConfig, *, pad_token_id: int, num_threads: int = 1) -> None:
@@ -74,37 +78,39 @@ class PolicyTrainer:
             mode=cfg.trainer.weight_sync.mode, max_threads=cfg.trainer.weight_sync.max_threads
         )
 
-    def rendezvous_address(self) -> tuple[str, int]:
-        """This node's IP and a port free on it, for the other ranks to reach rank 0."""
+    def rendezvous(self) -> str:
+        """Where the other ranks meet rank 0: a torch ``init_method`` URL.
+
+        On a local Ray (node address on loopback, so every rank is on this machine) a
+        file in a fresh private folder: no TCP store, which would listen on every
+        interface, and no free-port probe to race. On a cluster, this node's address
+        and a port probed free on it.
+        """
         import ray
 
+        node_ip = ray.util.get_node_ip_address()
+        if ipaddress.ip_address(node_ip).is_loopback:
+            folder = tempfile.mkdtemp(prefix="skyrl-rendezvous-")
+            return f"file://{folder}/store"
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            # Probed then released: gloo binds it moments later, a small race that
-            # env:// rendezvous cannot avoid (world size 1 uses no port at all).
+            # Probed then released: gloo binds it moments later, a small race that a
+            # TCP rendezvous cannot avoid.
             sock.bind(("", 0))
             port = int(sock.getsockname()[1])
-        return ray.util.get_node_ip_address(), port
+        return f"tcp://{node_ip}:{port}"
 
-    def setup(
-        self,
-        *,
-        rank: int = 0,
-        world_size: int = 1,
-        master_addr: str = "127.0.0.1",
-        master_port: int = 0,
-    ) -> RankInfo:
+    def setup(self, *, rank: int = 0, world_size: int = 1, init_method: str = "env://") -> RankInfo:
         """Join the process group and build the worker; returns this rank's place."""
         from megatron.core import parallel_state
 
-        # init_parallel_state joins via env:// when WORLD_SIZE > 1 (in-process store
-        # otherwise); a Ray actor is its own process, so setting them here is local.
-        os.environ.update(
-            RANK=str(rank),
-            LOCAL_RANK="0",
-            WORLD_SIZE=str(world_size),
-            MASTER_ADDR=master_addr,
-            MASTER_PORT=str(master_port),
-        )
+        from skyrl_train.workers.megatron.model import init_distributed
+
+        if init_method.startswith("file://"):
+            # Ranks that met through a local file talk over loopback too; gloo would
+            # otherwise bind to whatever address the host name resolves to.
+            os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+        if world_size > 1 and not torch.distributed.is_initialized():
+            init_distributed(rank=rank, world_size=world_size, init_method=init_method)
         cfg, opt = self.cfg, self.cfg.trainer.policy.optimizer_config
         self.worker = MegatronPolicyWorker(
             cfg.model.tiny_moe(),
@@ -131,14 +137,22 @@ class PolicyTrainer:
     # ---- one training step --------------------------------------------------------
 
     def train(
-        self, batch: TrainingBatch, *, mini_batch_tokens: Sequence[float] | None = None
+        self,
+        batch: TrainingBatch,
+        *,
+        step: int,
+        mini_batch_tokens: Sequence[float] | None = None,
     ) -> dict[str, float]:
         """Old logprobs, R3 metrics and PPO updates on this rank's shard.
 
         ``batch`` holds this rank's ``1/dp`` of every global mini-batch, in order
         (``data_parallel.shard_mini_batches``), with ``advantages`` set by the driver.
+        ``step``: the GRPO step, for ``NonFiniteError``'s message.
         ``mini_batch_tokens``: loss-active tokens of each *global* mini-batch (None:
         this shard's own counts, which is the same thing on one rank).
+
+        Raises ``NonFiniteError`` on a NaN/inf loss, grad norm or parameter, so the
+        driver never pushes such weights (``finite.py``).
         """
         t = self.cfg.trainer
         if batch.advantages is None:
@@ -182,12 +196,23 @@ class PolicyTrainer:
                 ).to_metrics("mismatch_trained")
             )
         batch.old_logprobs = as_trained.logprobs
-        metrics.update(self._update(batch, replay=replay, mini_batch_tokens=mini_batch_tokens))
+        metrics.update(
+            self._update(batch, replay=replay, mini_batch_tokens=mini_batch_tokens, step=step)
+        )
+        # Each rank checks its own parameters: together they cover every expert shard.
+        require_finite_weights(
+            self.worker.model.named_parameters(), step=step, where=f"rank {self.info.rank}"
+        )
         metrics[ROWS_KEY] = float(batch.batch_size)
         return metrics
 
     def _update(
-        self, batch: TrainingBatch, *, replay: bool, mini_batch_tokens: Sequence[float] | None
+        self,
+        batch: TrainingBatch,
+        *,
+        replay: bool,
+        mini_batch_tokens: Sequence[float] | None,
+        step: int,
     ) -> dict[str, float]:
         t, dp = self.cfg.trainer, self.info.dp_size
         mini = t.policy_mini_batch_size * self.cfg.generator.n_samples_per_prompt // dp
@@ -215,6 +240,9 @@ class PolicyTrainer:
                 result = self.worker.train_step(
                     part, loss_fn=loss_fn, micro_batch_size=micro, replay_routes=replay
                 )
+                where = f"rank {self.info.rank}, optimizer step {len(grad_norms) + 1}"
+                require_finite(result.loss, quantity="train/policy_loss", step=step, where=where)
+                require_finite(result.grad_norm, quantity="train/grad_norm", step=step, where=where)
                 losses.append(result.loss * num_micro)
                 grad_norms.append(result.grad_norm)
         metrics = {
@@ -283,23 +311,23 @@ class PolicyTrainer:
         return {name: t.clone() for name, t in self.worker.export_weights()}
 
     def save_checkpoint(self, folder: str) -> None:
-        """Each rank writes its own shard (its experts, optimizer state and RNGs)."""
-        path = Path(folder)
-        path.mkdir(parents=True, exist_ok=True)
+        """Each rank writes its own shard (its experts, optimizer state and RNGs) into
+        the driver's temp folder (``checkpoint.begin_save``), fsynced before returning:
+        the driver's manifest then vouches for bytes already on disk."""
         assert self.worker.optimizer is not None
-        torch.save(
-            {
-                "world_size": self.info.world_size,
-                "model": self.worker.model.state_dict(),
-                "optimizer": self.worker.optimizer.state_dict(),
-                "torch_rng": torch.random.get_rng_state(),
-                "numpy_rng": np.random.get_state(),
-                "python_rng": random.getstate(),
-            },
-            checkpoint_file(path, self.info.rank),
-        )
+        state = {
+            "world_size": self.info.world_size,
+            "model": self.worker.model.state_dict(),
+            "optimizer": self.worker.optimizer.state_dict(),
+            "torch_rng": torch.random.get_rng_state(),
+            "numpy_rng": np.random.get_state(),
+            "python_rng": random.getstate(),
+        }
+        write_file(checkpoint_file(Path(folder), self.info.rank), lambda fh: torch.save(state, fh))
 
     def load_checkpoint(self, folder: str) -> None:
+        """Restore this rank from ``folder``, which the launch verified against its
+        manifest (``checkpoint.verify_resume``) before Ray started."""
         state = load_rank_state(Path(folder), rank=self.info.rank, world_size=self.info.world_size)
         assert self.worker.optimizer is not None
         self.worker.model.load_state_dict(state["model"])
@@ -318,11 +346,24 @@ def load_rank_state(folder: Path, *, rank: int, world_size: int) -> dict[str, An
     (its expert shards and data order would not line up with this run's ranks)."""
     path = checkpoint_file(folder, rank)
     if not path.is_file():
-        raise FileNotFoundError(
-            f"trainer.resume_from: expected {path.name} in {str(folder)!r} "
-            f"(one file per trainer rank), got none"
+        raise CheckpointError(
+            RESUME_KEY, path, expected="one file per trainer rank", got="no such file"
         )
-    state = torch.load(path, weights_only=False)
+    try:
+        # weights_only=False: the state holds numpy's and Python's RNG states. The
+        # manifest check at launch vouched for these bytes being the ones saved.
+        state = torch.load(path, weights_only=False)
+    except Exception as exc:
+        raise CheckpointError(
+            RESUME_KEY,
+            path,
+            expected="a rank state torch.load can read",
+            got=f"{type(exc).__name__}: {exc}",
+        ) from exc
+    if not isinstance(state, dict):
+        raise CheckpointError(
+            RESUME_KEY, path, expected="a dict of rank state", got=type(state).__name__
+        )
     saved = state.get("world_size")
     if saved != world_size:
         raise ConfigValidationError(

@@ -5,13 +5,16 @@ its own shard (one ``ray.put`` per shard); all ranks train concurrently, since t
 meet in collectives (gradient all-reduce, expert all-gather), and their metrics come
 back as one dict (``data_parallel.combine_rank_metrics``). Weight export gathers
 experts over the EP group, so every rank exports and only rank 0 pushes to the
-servers. Checkpoints hold one file per rank.
+servers. Checkpoints hold one file per rank, written into the driver's temp folder
+(``checkpoint.py`` makes the folder appear whole or not at all).
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import shutil
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -36,6 +39,7 @@ class PolicyGroup:
         self.cfg = cfg
         self.actors = actors
         self.ranks: list[RankInfo] = []
+        self._rendezvous = ""
         self.received_rows: list[int] = []
         """Rows each rank reported training on in the last ``train`` call (by rank)."""
 
@@ -64,11 +68,10 @@ class PolicyGroup:
         (``init_process_group`` blocks until all ranks have joined)."""
         import ray
 
-        addr, port = ray.get(self.actors[0].rendezvous_address.remote())
+        init_method = ray.get(self.actors[0].rendezvous.remote())
+        self._rendezvous = init_method
         refs = [
-            actor.setup.remote(
-                rank=rank, world_size=self.world_size, master_addr=addr, master_port=port
-            )
+            actor.setup.remote(rank=rank, world_size=self.world_size, init_method=init_method)
             for rank, actor in enumerate(self.actors)
         ]
         # Raise as soon as one rank fails: the others wait in init_process_group for
@@ -86,11 +89,20 @@ class PolicyGroup:
         for actor in self.actors:
             ray.kill(actor)
         self.actors = []
+        if self._rendezvous.startswith("file://"):
+            # Rank 0 made the folder on this machine (a file rendezvous is local only).
+            shutil.rmtree(Path(self._rendezvous.removeprefix("file://")).parent, True)
 
     # ---- training -------------------------------------------------------------------
 
-    async def train(self, batch: TrainingBatch, advantages: torch.Tensor) -> dict[str, float]:
-        """One GRPO policy update over ``batch`` (advantages computed on the full batch)."""
+    async def train(
+        self, batch: TrainingBatch, advantages: torch.Tensor, *, step: int
+    ) -> dict[str, float]:
+        """One GRPO policy update over ``batch`` (advantages computed on the full batch).
+
+        Raises the first rank's ``NonFiniteError`` when a loss, grad norm or weight went
+        NaN/inf: the driver then never pushes the weights (``finite.py``).
+        """
         import ray
 
         if not self.ranks:
@@ -104,7 +116,7 @@ class PolicyGroup:
         ]
         tokens = mini_batch_token_counts(full, mini_batch_size=mini)
         per_rank = await _all(
-            actor.train.remote(shards[info.dp_rank], mini_batch_tokens=tokens)
+            actor.train.remote(shards[info.dp_rank], step=step, mini_batch_tokens=tokens)
             for actor, info in zip(self.actors, self.ranks, strict=True)
         )
         self.received_rows = [int(metrics[ROWS_KEY]) for metrics in per_rank]

@@ -110,6 +110,23 @@ def refuse_unsupported_on_cpu(settings: MegatronSettings) -> None:
             )
 
 
+def init_distributed(*, rank: int, world_size: int, init_method: str) -> None:
+    """Join torch.distributed's default group: gloo on CPU, nccl with CUDA.
+
+    ``init_method`` is a torch rendezvous URL (``file://``, ``tcp://``, ``env://``);
+    a world of one uses an in-process store whatever it says: no port to pick, so
+    nothing to race other processes for (a free-port probe can be taken before gloo
+    binds it).
+    """
+    apply_cpu_compat()
+    dist = torch.distributed
+    backend = "gloo" if cpu_compat_needed() else "nccl"
+    if world_size == 1:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    else:
+        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size)
+
+
 def init_parallel_state(settings: MegatronSettings, *, seed: int) -> None:
     """Initialise torch.distributed (gloo on CPU) and Megatron's parallel groups.
 
@@ -121,18 +138,12 @@ def init_parallel_state(settings: MegatronSettings, *, seed: int) -> None:
     from megatron.core import parallel_state, tensor_parallel
 
     apply_cpu_compat()
-    dist = torch.distributed
-    if not dist.is_initialized():
-        backend = "gloo" if cpu_compat_needed() else "nccl"
-        world_size = int(os.environ.get("WORLD_SIZE", 1))
-        if world_size == 1:
-            # An in-process store: no port to pick, so nothing to race other
-            # processes for (a free-port probe can be taken before gloo binds it).
-            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-        else:
-            dist.init_process_group(
-                backend, init_method="env://", rank=int(os.environ["RANK"]), world_size=world_size
-            )
+    if not torch.distributed.is_initialized():
+        init_distributed(
+            rank=int(os.environ.get("RANK", 0)),
+            world_size=int(os.environ.get("WORLD_SIZE", 1)),
+            init_method="env://",
+        )
     if parallel_state.model_parallel_is_initialized():
         same = (
             parallel_state.get_tensor_model_parallel_world_size()

@@ -46,11 +46,11 @@ def with_overrides(base: list[str], *overrides: str) -> list[str]:
     return [item for item in base if item.split("=", 1)[0] not in keys] + list(overrides)
 
 
-def probe(url: str) -> list[float]:
+def probe(url: str, api_key: str) -> list[float]:
     """Logprobs of a fixed-seed sample: they change when the server's weights do."""
 
     async def go() -> list[float]:
-        async with RemoteGenerateClient(url) as client:
+        async with RemoteGenerateClient(url, api_key=api_key) as client:
             result = await client.generate(
                 prompt_token_ids=[257, 65, 66, 10], sampling_params=PROBE
             )
@@ -95,3 +95,64 @@ def _pids(matches) -> set[int]:  # type: ignore[no-untyped-def]
             except OSError:
                 continue
     return pids
+
+
+def process_tree(root: int) -> set[int]:
+    """``root`` and every process descended from it (Ray's daemons are the driver's
+    children, its workers the raylet's)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        # The command name may hold spaces and parentheses; fields resume after ")".
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        children.setdefault(ppid, []).append(int(entry))
+    tree, todo = set(), [root]
+    while todo:
+        pid = todo.pop()
+        tree.add(pid)
+        todo.extend(children.get(pid, []))
+    return tree
+
+
+def listening_sockets(pids: set[int]) -> list[tuple[int, str, int]]:
+    """``(pid, address, port)`` of every listening TCP socket the ``pids`` hold,
+    read from /proc so that nothing but the kernel's own table is trusted."""
+    listening: dict[str, tuple[str, int]] = {}
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            local, state, inode = fields[1], fields[3], fields[9]
+            if state == "0A":  # TCP_LISTEN
+                listening[inode] = _decode_address(local)
+    found = []
+    for pid in pids:
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if target.startswith("socket:[") and target[8:-1] in listening:
+                found.append((pid, *listening[target[8:-1]]))
+    return found
+
+
+def _decode_address(hex_address: str) -> tuple[str, int]:
+    import ipaddress
+
+    host, port = hex_address.split(":")
+    raw = bytes.fromhex(host)
+    # /proc prints the address as native-endian 32-bit words.
+    words = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
+    address = ipaddress.ip_address(words)
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        return str(address.ipv4_mapped), int(port, 16)
+    return str(address), int(port, 16)

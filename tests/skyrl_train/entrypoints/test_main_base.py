@@ -6,17 +6,21 @@ and importing Megatron in each actor costs most of a minute on 2 cores.
 
 from __future__ import annotations
 
+import ipaddress
 import math
 import os
 import socket
 import subprocess
 import sys
+import urllib.error
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import ray
 import yarl
-from _e2e import SMALL, new_pids, probe, ray_daemon_pids
+from _e2e import SMALL, listening_sockets, new_pids, probe, process_tree, ray_daemon_pids
 
 from skyrl_train.config.loader import load_config
 from skyrl_train.config.schema import PPOConfig
@@ -36,19 +40,26 @@ class FirstRun:
     after: list[float]
     urls: list[str]
     ray_pids_before: set[int]
+    listening: list[tuple[int, str, int]]
+    """Every listening TCP socket of this process and its descendants mid-run."""
+    gcs_address: str
+    unauthenticated_status: int
+    """What a server answered a generate request that carried no token."""
 
 
 @pytest.fixture(scope="module")
 def first_run(tmp_path_factory: pytest.TempPathFactory) -> FirstRun:
     run_dir = tmp_path_factory.mktemp("r3") / "run"
     cfg = load_config([*SMALL, f"trainer.run_dir={run_dir}"])
-    os.environ["RAY_AUTH_MODE"] = "disabled"
     ray_pids_before = ray_daemon_pids()
     with launch(cfg) as job:
-        before = probe(job.server_urls[0])
+        before = probe(job.server_urls[0], job.api_key)
         history = job.train()
-        after = probe(job.server_urls[0])
+        after = probe(job.server_urls[0], job.api_key)
         urls = list(job.server_urls)
+        listening = listening_sockets(process_tree(os.getpid()))
+        gcs_address = ray.get_runtime_context().gcs_address
+        unauthenticated = _status_without_token(urls[0])
     return FirstRun(
         cfg=cfg,
         history=history,
@@ -56,7 +67,23 @@ def first_run(tmp_path_factory: pytest.TempPathFactory) -> FirstRun:
         after=after,
         urls=urls,
         ray_pids_before=ray_pids_before,
+        listening=listening,
+        gcs_address=gcs_address,
+        unauthenticated_status=unauthenticated,
     )
+
+
+def _status_without_token(url: str) -> int:
+    request = urllib.request.Request(
+        url + "/skyrl/v1/generate",
+        data=b'{"token_ids": [65]}',
+        headers={"Content-Type": "application/json"},
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=30) as reply:
+            return int(reply.status)
+    except urllib.error.HTTPError as exc:
+        return int(exc.code)
 
 
 def test_metrics_are_written_per_step(first_run: FirstRun) -> None:
@@ -80,6 +107,19 @@ def test_metrics_are_written_per_step(first_run: FirstRun) -> None:
         ):
             assert row[key] is not None and math.isfinite(row[key]), key
     assert "eval/reward_mean" in rows[1]
+
+
+def test_every_ray_and_server_socket_is_on_loopback(first_run: FirstRun) -> None:
+    ports = {port for _, _, port in first_run.listening}
+    # Precondition: the scan saw the run's own sockets (GCS and the inference server).
+    assert int(first_run.gcs_address.rsplit(":", 1)[1]) in ports
+    assert all(yarl.URL(url).port in ports for url in first_run.urls)
+    exposed = [s for s in first_run.listening if not ipaddress.ip_address(s[1]).is_loopback]
+    assert exposed == [], f"sockets listening beyond loopback: {exposed}"
+
+
+def test_servers_refuse_requests_without_the_run_token(first_run: FirstRun) -> None:
+    assert first_run.unauthenticated_status == 401
 
 
 def test_weights_changed_on_the_server_after_sync(first_run: FirstRun) -> None:
@@ -111,7 +151,7 @@ def test_resume_reproduces_the_next_step(first_run: FirstRun, tmp_path: Path) ->
     checkpoint = Path(first_run.cfg.trainer.run_dir) / "checkpoints" / "step_000001"
     assert (checkpoint / "driver.json").is_file()
     resumed_dir = tmp_path / "resumed"
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
         [
             sys.executable,

@@ -28,7 +28,7 @@ def test_ctrl_c_mid_run_stops_every_actor_and_ray(tmp_path: Path) -> None:
     args = with_overrides(
         SMALL, "trainer.num_steps=200", "trainer.ckpt_interval=0", f"trainer.run_dir={run_dir}"
     )
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(
         [sys.executable, "-m", "skyrl_train.entrypoints.main_base", *args],
         cwd=REPO,

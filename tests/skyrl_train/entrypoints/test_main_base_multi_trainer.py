@@ -6,13 +6,23 @@ same batch, so two ranks must take the same update up to summation order)."""
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from _e2e import SMALL, new_pids, probe, ray_actor_pids, ray_daemon_pids, with_overrides
+from _e2e import (
+    SMALL,
+    listening_sockets,
+    new_pids,
+    probe,
+    process_tree,
+    ray_actor_pids,
+    ray_daemon_pids,
+    with_overrides,
+)
 
 from skyrl_train.config.loader import load_config
 from skyrl_train.config.schema import PPOConfig
@@ -63,31 +73,44 @@ class TwoRankRun:
     after_reload: list[float]
     daemons_before: set[int]
     actors_before: set[int]
+    listening: list[tuple[int, str, int]]
+    trainer_pids: set[int]
 
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> TwoRankRun:
     run_dir = tmp_path_factory.mktemp("r3_ep2") / "run"
     cfg = load_config([*TWO_RANKS, f"trainer.run_dir={run_dir}"])
-    os.environ["RAY_AUTH_MODE"] = "disabled"
     daemons_before, actors_before = ray_daemon_pids(), ray_actor_pids("PolicyTrainer")
     with launch(cfg) as job:
-        before = probe(job.server_urls[0])
+        before = probe(job.server_urls[0], job.api_key)
         history = job.train()
-        after = probe(job.server_urls[0])
+        after = probe(job.server_urls[0], job.api_key)
         # Reload the step's checkpoint on both ranks and sync again: a rank that
         # restored another rank's expert shard would change the served weights.
         checkpoint = run_dir / "checkpoints" / "step_000001"
 
         async def reload() -> None:
             await job.loop.load_checkpoint(checkpoint)
-            await job.policy.push_weights(job.server_urls)
+            await job.policy.push_weights(job.server_urls, api_key=job.api_key)
 
         asyncio.run(reload())
-        after_reload = probe(job.server_urls[0])
+        after_reload = probe(job.server_urls[0], job.api_key)
         ranks, received = list(job.policy.ranks), list(job.policy.received_rows)
+        listening = listening_sockets(process_tree(os.getpid()))
+        trainer_pids = ray_actor_pids("PolicyTrainer") - actors_before
     return TwoRankRun(
-        cfg, history, ranks, received, before, after, after_reload, daemons_before, actors_before
+        cfg,
+        history,
+        ranks,
+        received,
+        before,
+        after,
+        after_reload,
+        daemons_before,
+        actors_before,
+        listening,
+        trainer_pids,
     )
 
 
@@ -95,10 +118,16 @@ def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> TwoRankRun:
 def one_rank(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, float], list[float]]:
     run_dir = tmp_path_factory.mktemp("r3_one") / "run"
     cfg = load_config([*ONE_RANK, f"trainer.run_dir={run_dir}"])
-    os.environ["RAY_AUTH_MODE"] = "disabled"
     with launch(cfg) as job:
         (metrics,) = job.train()
-        return metrics, probe(job.server_urls[0])
+        return metrics, probe(job.server_urls[0], job.api_key)
+
+
+def test_trainer_ranks_listen_on_loopback_only(two_ranks: TwoRankRun) -> None:
+    # Precondition: the scan saw the ranks' gloo listeners.
+    assert {pid for pid, _, _ in two_ranks.listening} & two_ranks.trainer_pids
+    exposed = [s for s in two_ranks.listening if not ipaddress.ip_address(s[1]).is_loopback]
+    assert exposed == [], f"sockets listening beyond loopback: {exposed}"
 
 
 def test_two_ranks_train_one_step_with_replay(two_ranks: TwoRankRun) -> None:
@@ -180,7 +209,6 @@ def test_a_failing_rank_setup_takes_every_actor_down(tmp_path: Path) -> None:
         "num_layers_in_first_pipeline_stage=1"
     )
     cfg = load_config([*TWO_RANKS, bad, f"trainer.run_dir={tmp_path / 'run'}"])
-    os.environ["RAY_AUTH_MODE"] = "disabled"
     daemons_before, actors_before = ray_daemon_pids(), ray_actor_pids("PolicyTrainer")
     with pytest.raises(ValueError, match="PP stages"), launch(cfg):
         pytest.fail("launch must not yield when a rank failed setup")

@@ -1,0 +1,100 @@
+"""Starting or joining Ray for a launch, without opening it to the network.
+
+A plain local ``ray.init()`` binds GCS, raylet and every worker to all interfaces
+(``*:port``) and, before Ray 2.59, runs without authentication: an earlier launch of
+this project that also set ``RAY_AUTH_MODE=disabled`` let a process on another host
+join through the node's address and run a task in 1.6 s. So a local launch here
+
+- binds every Ray process to 127.0.0.1: Ray takes loopback as the node address only
+  when its "clusters enabled" switch is off (it otherwise resolves 127.0.0.1 to the
+  host's outward address and the gRPC servers listen on every interface), and
+- keeps Ray's token authentication on: Ray 2.59+ turns it on for a new local cluster
+  when ``RAY_AUTH_MODE`` is unset, generating ``~/.ray/auth_token`` on first use.
+
+Joining a cluster (``ray.address``) uses that cluster's own authentication: set
+``RAY_AUTH_MODE=token`` and ``RAY_AUTH_TOKEN`` (or the token file) as the cluster's
+nodes have them, before the launch starts.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+LOOPBACK = "127.0.0.1"
+
+
+@dataclass
+class RaySession:
+    """What ``start_ray`` did; ``shutdown`` undoes exactly that."""
+
+    started: bool
+    """True when this launch started a local Ray (and so must shut it down)."""
+    node_ip: str
+
+    def shutdown(self) -> None:
+        import ray
+
+        if self.started and ray.is_initialized():
+            ray.shutdown()
+        self.started = False
+
+
+def start_ray(
+    *, address: str | None, num_cpus: int | None, runtime_env: Mapping[str, Any]
+) -> RaySession:
+    """Joins ``address`` or starts a loopback-only, token-authenticated local Ray.
+
+    An already initialised Ray (a test, a notebook) is used as it is and left running.
+    """
+    import ray
+
+    if ray.is_initialized():
+        return RaySession(started=False, node_ip=ray.util.get_node_ip_address())
+    env = dict(runtime_env) or None
+    if address is not None:
+        ray.init(address=address, runtime_env=env, include_dashboard=False)
+        return RaySession(started=True, node_ip=ray.util.get_node_ip_address())
+
+    mode = os.environ.get("RAY_AUTH_MODE")
+    if mode is not None and mode.lower() == "disabled":
+        logger.warning(
+            "RAY_AUTH_MODE=disabled: this local Ray runs without token authentication; "
+            "it listens on %s only, but any local user can run code in it",
+            LOOPBACK,
+        )
+    _init_on_loopback(num_cpus=num_cpus, runtime_env=env)
+    session = RaySession(started=True, node_ip=ray.util.get_node_ip_address())
+    if not ipaddress.ip_address(session.node_ip).is_loopback:
+        # A Ray release that changed how it picks the node address: never run open.
+        session.shutdown()
+        raise RuntimeError(
+            f"ray.init: expected a local Ray on {LOOPBACK}, got node address "
+            f"{session.node_ip!r}; refusing to run a cluster reachable from the network"
+        )
+    return session
+
+
+def _init_on_loopback(*, num_cpus: int | None, runtime_env: dict[str, Any] | None) -> None:
+    import ray
+    from ray._private import ray_constants
+
+    # Ray reads this switch when it resolves the node address during init; off, a
+    # loopback ``_node_ip_address`` stays loopback and every gRPC server binds to it.
+    saved = ray_constants.ENABLE_RAY_CLUSTER
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    try:
+        ray.init(
+            num_cpus=num_cpus,
+            runtime_env=runtime_env,
+            include_dashboard=False,
+            _node_ip_address=LOOPBACK,
+        )
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = saved

@@ -1,0 +1,85 @@
+"""A local launch's Ray: loopback only, token authentication on, shut down after."""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from skyrl_train.utils.ray_session import start_ray
+
+ray = pytest.importorskip("ray")
+
+pytestmark = pytest.mark.slow
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "entrypoints"))
+from _e2e import listening_sockets, process_tree  # noqa: E402
+
+
+def _join_attempt(gcs_address: str, env: dict[str, str], *, wait_s: float) -> tuple[bool, str]:
+    """Tries ``ray.init(address=...)`` in another process; (joined, its stderr)."""
+    code = f"import ray; ray.init(address={gcs_address!r}); print('JOINED', flush=True)"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        out, err = proc.communicate(timeout=wait_s)
+    except subprocess.TimeoutExpired:
+        # Ray retries a refused handshake for minutes; being refused for this long
+        # with the auth error in its log is the answer.
+        proc.kill()
+        out, err = proc.communicate()
+    return "JOINED" in out, err
+
+
+def test_local_ray_listens_on_loopback_and_refuses_a_wrong_token(tmp_path: Path) -> None:
+    session = start_ray(address=None, num_cpus=1, runtime_env={})
+    try:
+        assert session.started and session.node_ip == "127.0.0.1"
+
+        @ray.remote
+        def node_ip() -> str:
+            return ray.util.get_node_ip_address()
+
+        assert ray.get(node_ip.remote()) == "127.0.0.1"
+        gcs = ray.get_runtime_context().gcs_address
+        sockets = listening_sockets(process_tree(os.getpid()))
+        assert int(gcs.rsplit(":", 1)[1]) in {port for _, _, port in sockets}
+        exposed = [s for s in sockets if not ipaddress.ip_address(s[1]).is_loopback]
+        assert exposed == [], exposed
+
+        env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}
+        env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN="not-the-token" * 4, HOME=str(tmp_path))
+        # From outside: Ray's client turns 127.0.0.1 into this host's outward address,
+        # as a process on another machine would use, and finds nothing listening.
+        joined, err = _join_attempt(gcs, env, wait_s=12)
+        assert not joined
+        assert "Failed to connect to GCS" in err, err[-2000:]
+        # From this machine, on loopback itself: the wrong token is refused.
+        env["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+        joined, err = _join_attempt(gcs, env, wait_s=12)
+        assert not joined
+        assert "InvalidAuthToken" in err or "Unauthenticated" in err, err[-2000:]
+    finally:
+        session.shutdown()
+    assert not ray.is_initialized()
+
+
+def test_an_initialised_ray_is_used_and_left_running() -> None:
+    session = start_ray(address=None, num_cpus=1, runtime_env={})
+    try:
+        again = start_ray(address=None, num_cpus=1, runtime_env={})
+        assert not again.started
+        again.shutdown()
+        assert ray.is_initialized()
+    finally:
+        session.shutdown()
+    assert not ray.is_initialized()
