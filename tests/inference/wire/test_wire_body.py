@@ -283,3 +283,19 @@ def test_envelope_nested_in_another_envelopes_sidecar_is_restored() -> None:
         decode_packed_fields(doc["choices"][0])["routed_experts"], outer_routes
     )
     np.testing.assert_array_equal(decode_packed_fields(env["meta"])["routed_experts"], inner_routes)
+
+
+@pytest.mark.parametrize("kind", [bytes, bytearray])
+def test_partial_memoryview_is_parsed_from_its_own_bytes(kind: type) -> None:
+    # A view of a slice of a larger buffer (a socket read buffer, a framed stream)
+    # must be parsed from the bytes it shows, not from the buffer it lives in.
+    body = orjson.dumps({"choices": [_choice(3)]})
+    raw = memoryview(kind(b"garbage" + body + b"tail"))[7:-4]
+    assert bytes(raw) == body
+    doc = load_packed_body(raw)
+    assert _plain(doc) == orjson.loads(body)
+    out = decode_packed_fields(doc["choices"][0], path="$.choices[0]")
+    np.testing.assert_array_equal(out["routed_experts"], _routes(3))
+    # Also a view of a prefix, and one of a suffix, of a larger buffer.
+    for raw in (memoryview(kind(body + b"tail"))[:-4], memoryview(kind(b"garbage" + body))[7:]):
+        assert _plain(load_packed_body(raw)) == orjson.loads(body)

@@ -206,3 +206,21 @@ def test_decode_packed_fields_skips_absent_and_null() -> None:
     assert decode_packed_fields({}) == {}
     with pytest.raises(TypeError, match="mapping choice"):
         decode_packed_fields([])  # type: ignore[arg-type]
+
+
+def test_higher_rank_envelopes_are_refused() -> None:
+    # [T, L, K, 1] routes and [T, k, 1] support hold exactly the right number of
+    # bytes for [T, L, K] and [T, k]: the declared rank alone must refuse them.
+    routes = pack_ndarray(np.ones((4, 3, 2, 1), np.uint8), allowed_dtypes=["uint8"])
+    with pytest.raises(WireError) as info:
+        decode_packed_routed_experts(routes, path="$.choices[2].routed_experts")
+    assert info.value.field == "$.choices[2].routed_experts.shape"
+    assert "expected 3 dims, got [4, 3, 2, 1]" in str(info.value)
+    ids = pack_ndarray(np.ones((4, 3, 1), np.int32), allowed_dtypes=["int32"])
+    lps = pack_ndarray(np.zeros((4, 3, 1), np.float32), allowed_dtypes=["float32"])
+    with pytest.raises(WireError) as info:
+        decode_packed_sample_support(ids, lps, path="$.choices[1]")
+    assert info.value.field == "$.choices[1].rollout_sample_support.shape"
+    with pytest.raises(WireError) as info:
+        decode_packed_fields({"rollout_sample_support_logprobs": lps}, path="$.choices[0]")
+    assert info.value.field == "$.choices[0].rollout_sample_support_logprobs.shape"

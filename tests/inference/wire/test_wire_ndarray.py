@@ -113,3 +113,22 @@ def test_missing_envelope_key() -> None:
 
 def test_wire_error_is_a_value_error() -> None:
     assert issubclass(WireError, ValueError)
+
+
+@pytest.mark.parametrize("shape", [[2, 3, 1], [1, 2, 3], [2, 3, 1, 1]])
+def test_higher_rank_than_declared_is_refused(shape: list[int]) -> None:
+    # Same element count, so the byte check passes: only the rank check can refuse it.
+    with pytest.raises(WireError) as info:
+        unpack_ndarray(_env(shape=shape), allowed_dtypes=["int32"], ndim=2, path="$.x")
+    assert info.value.field == "$.x.shape"
+    assert f"expected 2 dims, got {shape}" in str(info.value)
+
+
+@pytest.mark.parametrize(("shape", "need"), [([2, 2], 16), ([1, 3], 12), ([0, 3], 0)])
+def test_too_many_bytes_is_a_wire_error(shape: list[int], need: int) -> None:
+    # 24 bytes of data for fewer elements: a WireError naming .data, not numpy's
+    # bare "cannot reshape" ValueError.
+    with pytest.raises(WireError) as info:
+        unpack_ndarray(_env(shape=shape), allowed_dtypes=["int32"], ndim=2, path="$.x")
+    assert info.value.field == "$.x.data"
+    assert f"expected {need} bytes for shape {shape} int32, got '24 bytes'" in str(info.value)

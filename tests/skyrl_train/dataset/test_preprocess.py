@@ -171,6 +171,10 @@ def _no_fill(*args, **kwargs):
             r"loss_masks\[0\]: expected values in \{0, 1\}, got \[1, 2\]",
         ),
         (
+            {"loss_masks": [[1, 1], [1, -1, 0, 1], []]},
+            r"loss_masks\[1\]: expected values in \{0, 1\}, got \[-1, 0, 1\]",
+        ),
+        (
             {"token_rewards": [[0.0, 1.0], [0.0] * 4, [0.0]]},
             r"token_rewards\[2\]: expected 0 values",
         ),

@@ -124,6 +124,18 @@ def test_route_row_with_repeated_expert_is_refused() -> None:
         validate_routes(routes, ROUTERS)
 
 
+def test_repeated_expert_is_found_wherever_it_sits_in_the_row() -> None:
+    routers = LocalRouters(
+        modules=(), layers=(0, 1, 2, 3), num_layers=4, num_experts=8, top_k=3, replay_enabled=True
+    )
+    gen = torch.Generator().manual_seed(0)
+    routes = torch.rand(2, 5, 4, 8, generator=gen).argsort(-1)[..., :3]
+    validate_routes(routes, routers)
+    routes[1, 2, 3] = torch.tensor([5, 2, 5])  # the repeats are not neighbours
+    with pytest.raises(RouteReplayError, match=r"batch row 1, layer 3, token 2: expected 3"):
+        validate_routes(routes, routers)
+
+
 @pytest.mark.parametrize("shape", [(2, 5, 3, 2), (2, 5, 4, 3), (2, 5, 4)])
 def test_route_shape_must_match_model(shape: tuple[int, ...]) -> None:
     routes = torch.zeros(shape, dtype=torch.int64)
