@@ -206,8 +206,20 @@ def _check_generator(cfg: PPOConfig) -> None:
     )
 
 
+def check_temperature_key(value: float, key: str) -> float:
+    """The inference servers' own temperature rule, raised as a config error on ``key``,
+    so a launch cannot start with a value every request would then be refused for."""
+    from inference.engine.base import TEMPERATURE_RULE, check_temperature
+    from inference.errors import RequestValidationError
+
+    try:
+        return check_temperature(value, field=key)
+    except RequestValidationError:
+        raise ConfigValidationError(key, f"expected {TEMPERATURE_RULE}, got {value!r}") from None
+
+
 def _check_sampling(sp: SamplingParamsConfig, prefix: str) -> None:
-    _finite(sp.temperature, f"{prefix}.temperature", low=0.0)
+    check_temperature_key(sp.temperature, f"{prefix}.temperature")
     if not 0.0 < sp.top_p <= 1.0:
         raise ConfigValidationError(f"{prefix}.top_p", f"expected 0 < top_p <= 1, got {sp.top_p}")
     if sp.top_k != -1 and sp.top_k < 1:
@@ -230,6 +242,12 @@ def _check_trainer(cfg: PPOConfig) -> None:
         _at_least(getattr(tr, name), 1, f"trainer.{name}")
     _at_least(tr.eval_interval, 0, "trainer.eval_interval")
     _at_least(tr.ckpt_interval, 0, "trainer.ckpt_interval")
+    keep = tr.max_ckpts_to_keep
+    if keep is not None and keep != -1 and keep < 1:
+        raise ConfigValidationError(
+            "trainer.max_ckpts_to_keep",
+            f"expected -1 or null (keep all) or an int >= 1, got {keep}",
+        )
     if not tr.run_dir:
         raise ConfigValidationError("trainer.run_dir", "expected a folder path, got ''")
     if tr.resume_from is not None and not Path(tr.resume_from).is_dir():

@@ -19,6 +19,7 @@ from typing import Any, Protocol
 import numpy as np
 
 import skyrl_gym
+from skyrl_train.config.validate import check_temperature_key
 from skyrl_train.errors import ConfigValidationError, RouteTraceError
 from skyrl_train.generators.base import GeneratorInput, GeneratorOutput
 from skyrl_train.generators.rendering import ChatTemplateRenderer, ObservationRenderer
@@ -74,10 +75,7 @@ class GymGeneratorConfig:
                 raise ConfigValidationError(
                     f"generator.{name}", f"expected an int >= 1, got {value!r}"
                 )
-        if self.temperature < 0:
-            raise ConfigValidationError(
-                "generator.temperature", f"expected >= 0, got {self.temperature!r}"
-            )
+        check_temperature_key(self.temperature, "generator.temperature")
 
 
 @dataclass

@@ -170,7 +170,9 @@ def test_transformer_kwargs_cannot_override_owned_keys(name: str, where: str) ->
         (["generator.max_trajectory_tokens=3"], "generator.max_trajectory_tokens", ">= 4"),
         (["generator.sampling_params.top_p=0"], "generator.sampling_params.top_p", "0 < top_p"),
         (["generator.eval_sampling_params.top_k=0"], "generator.eval_sampling_params.top_k", "-1 (no cut)"),
-        (["generator.sampling_params.temperature=-1"], "generator.sampling_params.temperature", ">= 0"),
+        (["generator.sampling_params.temperature=-1"], "generator.sampling_params.temperature", "0 (greedy) or a number in [1e-06, 100]"),
+        (["generator.sampling_params.temperature=1e-39"], "generator.sampling_params.temperature", "got 1e-39"),
+        (["generator.eval_sampling_params.temperature=1e4"], "generator.eval_sampling_params.temperature", "0 (greedy) or a number in [1e-06, 100]"),
         (["generator.inference_engine.port=70000"], "generator.inference_engine.port", "0..65535"),
         (["generator.env.name="], "generator.env.name", "environment name"),
         (["generator.env.name=no_such_env"], "generator.env.name", "registered environment"),
@@ -212,6 +214,21 @@ def test_parallel_layouts_that_fit_are_valid(tmp_path: Path) -> None:
                 f"{POLICY}.tensor_model_parallel_size=2",
                 f"{POLICY}.pipeline_model_parallel_size=2",
                 "trainer.micro_train_batch_size_per_gpu=16",
+            ]
+        )
+    )
+
+
+def test_data_parallel_split_counts_trajectories_not_prompts() -> None:
+    # One prompt per optimizer step, 4 samples each: 4 trajectories split over 2 ranks.
+    validate_cfg(
+        load_config(
+            [
+                "trainer.placement.num_trainers=2",
+                "trainer.train_batch_size=2",
+                "trainer.policy_mini_batch_size=1",
+                "generator.n_samples_per_prompt=4",
+                "trainer.micro_train_batch_size_per_gpu=2",
             ]
         )
     )
