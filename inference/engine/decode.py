@@ -64,14 +64,13 @@ def validate_request(
 
 
 def _validate_sampling(params: SamplingParams, *, field: str, vocab_size: int) -> None:
-    # The server's validation calls the same check, so HTTP and engine say the same.
-
     if not isinstance(params, SamplingParams):
         raise RequestValidationError(field, "a SamplingParams", type(params).__name__)
     if isinstance(params.max_tokens, bool) or not isinstance(params.max_tokens, int):
         raise RequestValidationError(f"{field}.max_tokens", "an int >= 1", params.max_tokens)
     if params.max_tokens < 1:
         raise RequestValidationError(f"{field}.max_tokens", "an int >= 1", params.max_tokens)
+    # The server's validation calls the same check, so HTTP and engine say the same.
     check_temperature(params.temperature, field=f"{field}.temperature")
     if not (isinstance(params.top_p, (int, float)) and 0 < params.top_p <= 1):
         raise RequestValidationError(f"{field}.top_p", "a float in (0, 1]", params.top_p)

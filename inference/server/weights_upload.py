@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -78,7 +79,7 @@ def upload_caps(shapes: Mapping[str, tuple[int, ...]]) -> tuple[int, int]:
         _ENTRY_BYTES + 2 * len(name) + _DIM_BYTES * len(shape) for name, shape in shapes.items()
     )
     header = min(header, MAX_HEADER_BYTES)
-    data = sum(_numel(shape) for shape in shapes.values()) * _WIDEST_BYTES
+    data = sum(math.prod(shape) for shape in shapes.values()) * _WIDEST_BYTES
     return header, 8 + header + data
 
 
@@ -215,7 +216,7 @@ def _entry(name: str, spec: Any, shapes: Mapping[str, tuple[int, ...]]) -> Tenso
     if not (isinstance(shape, list) and all(_is_int(d) for d in shape)) or tuple(shape) != target:
         raise RequestValidationError(f"{field}.shape", f"{list(target)}", shape)
     offsets = spec["data_offsets"]
-    size = _numel(target) * dtype.itemsize
+    size = math.prod(target) * dtype.itemsize
     if not (
         isinstance(offsets, list)
         and len(offsets) == 2
@@ -224,7 +225,7 @@ def _entry(name: str, spec: Any, shapes: Mapping[str, tuple[int, ...]]) -> Tenso
     ):
         raise RequestValidationError(
             f"{field}.data_offsets",
-            f"[begin, begin + {size}] ({_numel(target)} x {dtype.itemsize}-byte {spec['dtype']})",
+            f"[begin, begin + {size}] ({math.prod(target)} x {dtype.itemsize}-byte {spec['dtype']})",
             offsets,
         )
     return TensorEntry(name, dtype, target, offsets[0], offsets[1])
@@ -262,10 +263,3 @@ async def _read_into(content: StreamReader, view: memoryview) -> int:
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    count = 1
-    for dim in shape:
-        count *= dim
-    return count

@@ -14,7 +14,7 @@ import secrets
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import hydra
 from omegaconf import DictConfig
@@ -22,6 +22,9 @@ from omegaconf import DictConfig
 from skyrl_train.config.loader import CONFIG_DIR, CONFIG_NAME, parse_config
 from skyrl_train.config.schema import PPOConfig
 from skyrl_train.config.validate import validate_cfg
+
+if TYPE_CHECKING:
+    from skyrl_train.utils.ray_session import RaySession
 
 
 @dataclass
@@ -73,7 +76,7 @@ def launch(cfg: PPOConfig) -> Iterator[Job]:
     api_key = secrets.token_urlsafe(32)
     ray_session = start_ray(
         address=cfg.ray.address,
-        num_cpus=cfg.ray.num_cpus if cfg.ray.address is None else None,
+        num_cpus=cfg.ray.num_cpus,
         runtime_env=cfg.ray.runtime_env,
     )
     servers: list[Any] = []
@@ -127,7 +130,7 @@ def run(cfg: PPOConfig) -> list[dict[str, float]]:
     return history
 
 
-def _teardown(servers: list[Any], policy: Any, ray_session: Any) -> None:
+def _teardown(servers: list[Any], policy: Any, ray_session: RaySession) -> None:
     import ray
 
     for handle in servers:

@@ -11,7 +11,7 @@ Layout under ``<run_dir>/checkpoints`` (a checkpoint folder is flat)::
                                  resumed from, removed by the next save
 
 A save is ``begin_save`` (fresh temp folder), each rank and the driver writing their
-files with ``write_file`` (fsynced), then ``commit_save``: manifest, fsync of the
+files with ``utils.durable.write_file`` (fsynced), then ``commit_save``: manifest, fsync of the
 folder, ``rename`` to ``step_NNNNNN`` (atomic within one filesystem) and fsync of the
 parent. A crash at any point leaves the previous checkpoints and at most a temp folder.
 
@@ -29,12 +29,12 @@ import os
 import re
 import secrets
 import shutil
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, BinaryIO
+from typing import TYPE_CHECKING, Any
 
 from skyrl_train.errors import CheckpointError, ConfigValidationError
+from skyrl_train.utils.durable import fsync_dir, write_file
 
 if TYPE_CHECKING:
     from skyrl_train.config.schema import PPOConfig
@@ -87,18 +87,6 @@ def begin_save(root: Path, *, step: int) -> Path:
     return folder
 
 
-def write_file(path: Path, data: bytes | Callable[[BinaryIO], object]) -> None:
-    """Create ``path`` with ``data`` (bytes, or a writer such as ``torch.save``'s) and
-    fsync it, so its bytes are on disk before the manifest vouches for them."""
-    with path.open("xb") as fh:  # "x": two writers of one name is a bug, not a retry
-        if isinstance(data, bytes):
-            fh.write(data)
-        else:
-            data(fh)
-        fh.flush()
-        os.fsync(fh.fileno())
-
-
 def commit_save(folder: Path, *, step: int) -> Path:
     """Write the manifest of ``folder`` (a ``begin_save`` folder whose files are all
     written) and rename it to ``step_NNNNNN``; returns the committed folder.
@@ -123,7 +111,7 @@ def commit_save(folder: Path, *, step: int) -> Path:
         "files": [{"name": r.name, "size": r.size, "sha256": r.sha256} for r in records],
     }
     write_file(folder / MANIFEST_FILE, json.dumps(manifest, indent=1).encode() + b"\n")
-    _fsync_dir(folder)
+    fsync_dir(folder)
     final = folder.parent / checkpoint_name(step)
     aside, ours = None, False
     if final.exists():
@@ -134,7 +122,7 @@ def commit_save(folder: Path, *, step: int) -> Path:
             aside = final.with_name(f"{final.name}.replaced-{secrets.token_hex(4)}")
         os.rename(final, aside)
     os.rename(folder, final)
-    _fsync_dir(final.parent)
+    fsync_dir(final.parent)
     if aside is not None and ours:
         shutil.rmtree(aside, ignore_errors=True)
     return final
@@ -185,7 +173,7 @@ def prune_checkpoints(root: Path, *, keep: int | None, current_step: int) -> lis
             shutil.rmtree(aside, ignore_errors=True)
             removed.append(found.folder)
     if removed:
-        _fsync_dir(root)
+        fsync_dir(root)
     return removed
 
 
@@ -309,15 +297,6 @@ def _sha256(path: Path) -> str:
 
 def _aside(folder: Path) -> Path:
     return folder.with_name(f"{folder.name}.tmp-{secrets.token_hex(4)}")
-
-
-def _fsync_dir(folder: Path) -> None:
-    # A rename is durable only once the directory holding the new entry is synced.
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _read_json_object(path: Path, key: str) -> dict[str, Any]:

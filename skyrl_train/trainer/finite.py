@@ -1,10 +1,10 @@
 """Stop a run at the first NaN or infinity, before it reaches the inference servers.
 
-The worker's optimizer step has already run when ``TrainStepResult`` comes back, so a
-non-finite loss or grad norm has usually poisoned the weights; the trainer raises
-``NonFiniteError`` there and checks every parameter once more at the end of its
-``train`` call, so the driver never pushes (or checkpoints) non-finite weights. The
-launch's teardown then stops every actor.
+The worker skips the optimizer step when the grad norm is not finite, but a finite
+norm with a NaN loss, or an update that overflows, still reaches the weights; so the
+trainer raises ``NonFiniteError`` on a bad loss or grad norm and checks every parameter
+once more at the end of its ``train`` call: the driver never pushes (or checkpoints)
+non-finite weights. The launch's teardown then stops every actor.
 """
 
 from __future__ import annotations

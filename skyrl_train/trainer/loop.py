@@ -37,8 +37,8 @@ from skyrl_train.trainer.checkpoint import (
     commit_save,
     prune_checkpoints,
     verify_checkpoint,
-    write_file,
 )
+from skyrl_train.utils.durable import write_file
 from skyrl_train.utils.tracking import MetricsTracker, format_metrics_line
 
 EVAL_SEED_OFFSET = 1_000_003

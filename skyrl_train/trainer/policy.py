@@ -31,10 +31,11 @@ from skyrl_train.algorithms import logprob_mismatch, ppo_policy_loss
 from skyrl_train.config.schema import PPOConfig
 from skyrl_train.dataset.batch import TrainingBatch
 from skyrl_train.errors import CheckpointError, ConfigValidationError
-from skyrl_train.trainer.checkpoint import RESUME_KEY, write_file
+from skyrl_train.trainer.checkpoint import RESUME_KEY
 from skyrl_train.trainer.data_parallel import ROWS_KEY
 from skyrl_train.trainer.finite import require_finite, require_finite_weights
 from skyrl_train.trainer.weight_sync import WeightSyncer
+from skyrl_train.utils.durable import write_file
 from skyrl_train.workers.megatron.layout import slice_batch
 from skyrl_train.workers.megatron.worker import MegatronPolicyWorker, OptimizerSettings
 

@@ -49,7 +49,8 @@ class RaySession:
 def start_ray(
     *, address: str | None, num_cpus: int | None, runtime_env: Mapping[str, Any]
 ) -> RaySession:
-    """Joins ``address`` or starts a loopback-only, token-authenticated local Ray.
+    """Joins ``address`` or starts a loopback-only, token-authenticated local Ray of
+    ``num_cpus`` CPUs (None: Ray counts them; ignored when joining a cluster).
 
     An already initialised Ray (a test, a notebook) is used as it is and left running.
     """

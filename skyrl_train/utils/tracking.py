@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import math
-import os
-import secrets
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import orjson
+
+from skyrl_train.utils.durable import replace_file
 
 # The figures other R3 systems publish, one panel each in the end-of-run plot.
 PLOT_PANELS: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = (
@@ -111,17 +111,7 @@ def drop_steps_after(path: str | Path, step: int) -> int:
         else:
             dropped += 1
     if dropped:
-        tmp = path.with_name(f"{path.name}.tmp-{secrets.token_hex(4)}")
-        with tmp.open("wb") as fh:
-            fh.write(b"".join(kept))
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-        fd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(fd)  # the rename is durable once the folder is synced
-        finally:
-            os.close(fd)
+        replace_file(path, b"".join(kept))
     return dropped
 
 

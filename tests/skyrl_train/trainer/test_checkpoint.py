@@ -29,10 +29,10 @@ from skyrl_train.trainer.checkpoint import (
     remove_stale_saves,
     verify_checkpoint,
     verify_resume,
-    write_file,
 )
 from skyrl_train.trainer.loop import GRPOLoop
 from skyrl_train.trainer.policy import checkpoint_file, load_rank_state
+from skyrl_train.utils.durable import write_file
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -231,7 +231,8 @@ def test_a_save_killed_between_two_files_leaves_the_previous_checkpoint_whole(
         f"""
         import sys, time
         from pathlib import Path
-        from skyrl_train.trainer.checkpoint import begin_save, write_file
+        from skyrl_train.trainer.checkpoint import begin_save
+        from skyrl_train.utils.durable import write_file
         folder = begin_save(Path({str(tmp_path)!r}), step=2)
         write_file(folder / "policy_rank0.pt", b"x" * 4096)
         print(folder, flush=True)
