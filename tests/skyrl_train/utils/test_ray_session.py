@@ -83,3 +83,30 @@ def test_an_initialised_ray_is_used_and_left_running() -> None:
     finally:
         session.shutdown()
     assert not ray.is_initialized()
+
+
+def test_auth_disabled_by_the_user_is_honoured_with_a_warning(monkeypatch, caplog) -> None:
+    from skyrl_train.utils import ray_session
+
+    calls = []
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray_session, "_init_on_loopback", lambda **kw: calls.append(kw))
+    monkeypatch.setattr(ray.util, "get_node_ip_address", lambda: "127.0.0.1")
+    with caplog.at_level("WARNING", logger=ray_session.__name__):
+        session = start_ray(address=None, num_cpus=1, runtime_env={})
+    assert session.started and calls == [{"num_cpus": 1, "runtime_env": None}]
+    assert "without token authentication" in caplog.text
+
+
+def test_a_local_ray_off_loopback_is_refused_and_shut_down(monkeypatch) -> None:
+    from skyrl_train.utils import ray_session
+
+    running: list[bool] = []  # a Ray that comes up on the outward address
+    monkeypatch.setattr(ray, "is_initialized", lambda: bool(running))
+    monkeypatch.setattr(ray_session, "_init_on_loopback", lambda **kw: running.append(True))
+    monkeypatch.setattr(ray.util, "get_node_ip_address", lambda: "192.0.2.2")
+    monkeypatch.setattr(ray, "shutdown", running.clear)
+    with pytest.raises(RuntimeError, match="expected a local Ray on 127.0.0.1, got node"):
+        start_ray(address=None, num_cpus=1, runtime_env={})
+    assert running == []
