@@ -4,6 +4,8 @@
       WireError                 a packed envelope or body breaks the wire contract
         GenerateProtocolError   a valid JSON reply whose packed contract is malformed
       RequestValidationError    a generate request field is wrong (the server's 4xx)
+      CheckpointFormatError     a model folder cannot be served or trained (names the file
+                                and the field)
     GenerateError               anything the client could not turn into a result
       GenerateHTTPError         the server answered with an error status (not retried)
       GenerateTransportError    connection refused/reset, timeout, gateway garbage (retried)
@@ -48,6 +50,20 @@ class RequestValidationError(ValueError):
         self.expected = expected
         self.got = got
         self.status = status
+        super().__init__(f"{field}: expected {expected}, got {_describe(got)}")
+
+
+class CheckpointFormatError(ValueError):
+    """A checkpoint folder is unusable: a file is missing, or config.json or the
+    tokenizer asks for something no family here supports.
+
+    ``field`` names the file and key (``config.json:architectures``).
+    """
+
+    def __init__(self, field: str, expected: str, got: Any) -> None:
+        self.field = field
+        self.expected = expected
+        self.got = got
         super().__init__(f"{field}: expected {expected}, got {_describe(got)}")
 
 

@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from inference.models.architecture import MoEArchitecture
+
 
 @dataclass(frozen=True)
 class TinyMoEConfig:
@@ -82,6 +84,12 @@ class TinyMoEConfig:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+    def architecture(self) -> MoEArchitecture:
+        """The family-independent description, read back through the Qwen3-MoE family."""
+        from inference.models.families import describe
+
+        return describe(self.to_hf_config())
+
     def to_hf_config(self) -> Any:
         from transformers import Qwen3MoeConfig
 
@@ -89,6 +97,7 @@ class TinyMoEConfig:
         # (without it head_dim would silently be hidden_size / heads).
         extra: dict[str, Any] = {"head_dim": self.head_dim}
         return Qwen3MoeConfig(
+            architectures=["Qwen3MoeForCausalLM"],
             vocab_size=self.vocab_size,
             hidden_size=self.hidden_size,
             intermediate_size=self.moe_intermediate_size,
