@@ -55,7 +55,7 @@ class SamplingParams:
     seed: int | None = None
     """Seeds this request's sampler; the same seed and prompt give the same tokens."""
     stop_token_ids: tuple[int, ...] = ()
-    """Extra stop ids; the engine's eos id always stops too unless ``ignore_eos``."""
+    """Extra stop ids; the engine's EOS ids (the checkpoint's) always stop too unless ``ignore_eos``."""
     ignore_eos: bool = False
     """Keep generating past eos (fixed-length benchmarks); ``stop_token_ids`` still stop."""
 

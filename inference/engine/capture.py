@@ -1,43 +1,51 @@
 """Expert-route capture: forward hooks on every MoE layer's router.
 
-In transformers 5.x each sparse layer's ``mlp.gate`` returns ``(logits, scores,
-indices)`` with ``indices`` shaped ``[batch * seq, top_k]``, so a forward hook sees
-exactly the experts each fed token was dispatched to — the selection the trainer
-must replay, not a recomputation that could flip on near-ties.
+In transformers 5.x each sparse layer's router (the family's ``capture_point``,
+``mlp.gate`` in all four families) returns ``(logits, scores, indices)`` with
+``indices`` shaped ``[batch * seq, top_k]``, so a forward hook sees exactly the
+experts each fed token was dispatched to — the selection the trainer must replay, not
+a recomputation that could flip on near-ties. Dense layers (Qwen ``mlp_only_layers``)
+have no router and no route: the route tensor's layer axis counts MoE layers only.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
 import torch
 
-__all__ = ["RouteCapture", "route_dtype"]
+from inference.wire import route_dtype_for
 
+__all__ = ["RouteCapture"]
 
-def route_dtype(num_experts: int) -> np.dtype:
-    """The smallest unsigned/signed integer dtype holding every expert id."""
-    if num_experts <= 256:
-        return np.dtype(np.uint8)
-    if num_experts <= 1 << 15:
-        return np.dtype(np.int16)
-    return np.dtype(np.int32)
+_TORCH_ROUTE_DTYPES = {"uint8": torch.uint8, "int16": torch.int16, "int32": torch.int32}
 
 
 class RouteCapture:
-    """Records top-k expert ids of every layer for each forward while ``active``.
+    """Records top-k expert ids of every MoE layer for each forward while ``active``.
 
-    Usage per forward: ``begin(batch, seq)``, run the model, ``end()`` returns a
-    ``[batch, seq, layers, top_k]`` tensor (or ``None`` when inactive). Hooks stay
-    installed for the engine's lifetime; when inactive they return at once, so a
+    ``moe_layers`` are the decoder layers with a router (``MoEArchitecture.moe_layers``),
+    ``capture_point`` the router's path under each (``Family.capture_point``). Usage
+    per forward: ``begin(batch, seq)``, run the model, ``end()`` returns a
+    ``[batch, seq, len(moe_layers), top_k]`` tensor (or ``None`` when inactive). Hooks
+    stay installed for the engine's lifetime; when inactive they return at once, so a
     batch without capture pays one attribute check per layer.
     """
 
-    def __init__(self, model: Any, *, num_experts: int) -> None:
-        self.gates = _find_gates(model)
+    def __init__(
+        self,
+        model: Any,
+        *,
+        num_experts: int,
+        moe_layers: Sequence[int],
+        capture_point: str = "mlp.gate",
+    ) -> None:
+        self.moe_layers = tuple(moe_layers)
+        self.gates = _find_gates(model, self.moe_layers, capture_point)
         self.active = False
-        self._dtype = _torch_dtype(route_dtype(num_experts))
+        # The wire's canonical dtype for the largest id, so routes leave without a cast.
+        self._dtype = _TORCH_ROUTE_DTYPES[route_dtype_for(num_experts - 1).name]
         self._shape: tuple[int, int] | None = None
         self._layers: list[torch.Tensor | None] = [None] * len(self.gates)
         self._handles = [
@@ -55,7 +63,8 @@ class RouteCapture:
             indices = output[2] if isinstance(output, tuple) else None
             if indices is None or indices.dim() != 2:
                 raise RuntimeError(
-                    f"route capture layer {layer}: expected the gate to return "
+                    f"route capture, decoder layer {self.moe_layers[layer]}: expected the "
+                    "router to return "
                     f"(logits, scores, indices[tokens, top_k]), got {type(output).__name__}"
                 )
             # Narrowing now (uint8 for <=256 experts) keeps the per-step copy tiny.
@@ -71,8 +80,10 @@ class RouteCapture:
         if not self.active:
             return None
         if self._shape is None or any(t is None for t in self._layers):
-            missing = [i for i, t in enumerate(self._layers) if t is None]
-            raise RuntimeError(f"route capture: layers {missing} produced no routes this forward")
+            missing = [self.moe_layers[i] for i, t in enumerate(self._layers) if t is None]
+            raise RuntimeError(
+                f"route capture: decoder layers {missing} produced no routes this forward"
+            )
         batch, seq = self._shape
         stacked = torch.stack(self._layers, dim=1)  # type: ignore[arg-type]
         self._layers = [None] * len(self.gates)
@@ -84,20 +95,21 @@ class RouteCapture:
         self._handles = []
 
 
-def _find_gates(model: Any) -> list[torch.nn.Module]:
+def _find_gates(model: Any, moe_layers: Sequence[int], capture_point: str) -> list[torch.nn.Module]:
+    layers = model.model.layers
+    if not moe_layers:
+        raise ValueError("route capture: expected at least one MoE layer, got none")
     gates = []
-    for layer in model.model.layers:
-        gate = getattr(getattr(layer, "mlp", None), "gate", None)
-        if gate is not None:
-            gates.append(gate)
-    if not gates:
-        raise ValueError("route capture: expected MoE layers with mlp.gate, found none")
+    for i in moe_layers:
+        if not 0 <= i < len(layers):
+            raise ValueError(
+                f"route capture: MoE layer {i}: expected a decoder layer in [0, {len(layers)})"
+            )
+        try:
+            gates.append(layers[i].get_submodule(capture_point))
+        except AttributeError:
+            raise ValueError(
+                f"route capture: model.layers.{i}.{capture_point}: expected the router of an "
+                "MoE layer, found no such module"
+            ) from None
     return gates
-
-
-def _torch_dtype(dtype: np.dtype) -> torch.dtype:
-    return {
-        np.dtype(np.uint8): torch.uint8,
-        np.dtype(np.int16): torch.int16,
-        np.dtype(np.int32): torch.int32,
-    }[dtype]

@@ -104,10 +104,14 @@ def run_batch(
     requests: Sequence[EngineRequest],
     *,
     capture: RouteCapture,
-    eos_token_id: int | None,
+    eos_token_ids: Sequence[int],
     pad_token_id: int,
 ) -> list[EngineOutput]:
-    """Generates for already-validated ``requests`` in one left-padded batch."""
+    """Generates for already-validated ``requests`` in one left-padded batch.
+
+    ``eos_token_ids`` all stop a request unless it sets ``ignore_eos`` (a chat checkpoint
+    ends a turn at ``<|im_end|>`` and a document at ``<|endoftext|>``); empty: none do.
+    """
     batch = len(requests)
     lengths = [len(r.prompt_token_ids) for r in requests]
     longest = max(lengths)
@@ -121,8 +125,8 @@ def run_batch(
         input_ids[b, longest - lengths[b] :] = torch.as_tensor(list(req.prompt_token_ids))
         attention[b, longest - lengths[b] :] = 1
         stops = list(req.sampling.stop_token_ids)
-        if eos_token_id is not None and not req.sampling.ignore_eos:
-            stops.append(eos_token_id)
+        if not req.sampling.ignore_eos:
+            stops.extend(eos_token_ids)
         stop_mask[b, stops] = True
     # Left padding shifts real tokens right; positions must still start at 0.
     positions = (attention.cumsum(-1) - 1).clamp(min=0)

@@ -1,15 +1,16 @@
-"""The CPU inference engine: a transformers Qwen3-MoE model with route capture.
+"""The CPU inference engine: a transformers MoE causal LM with route capture.
 
-``generate`` is a batching front: requests from concurrent callers that arrive
-within ``batch_window_s`` (up to ``max_batch_size``) share one batched run in a
-single worker thread, so the asyncio loop stays responsive and throughput grows
-with load (a forward at batch 64 costs ~3x one at batch 1 on this model).
+Serves any family of ``inference.models.families`` (Qwen3-MoE, Qwen2-MoE, OLMoE,
+Mixtral) from a checkpoint folder. ``generate`` is a batching front: requests from
+concurrent callers that arrive within ``batch_window_s`` (up to ``max_batch_size``)
+share one batched run in a single worker thread, so the asyncio loop stays responsive
+and throughput grows with load (a forward at batch 64 costs ~3x one at batch 1 on the
+built-in model).
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import threading
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -22,14 +23,15 @@ from inference.engine.base import EngineInfo, EngineOutput, EngineRequest
 from inference.engine.capture import RouteCapture
 from inference.engine.decode import run_batch, validate_request
 from inference.engine.weights import export_weights, load_named_tensors, parameter_shapes
+from inference.models.architecture import MoEArchitecture
 from inference.models.batch_invariant import enable_batch_invariance
+from inference.models.families import family_named
 from inference.models.tiny_moe import TinyMoEConfig, build_hf_model
-from inference.models.tokenizer import EOS_TOKEN_ID, save_byte_tokenizer
+from inference.models.tokenizer import EOS_TOKEN_ID
 
 __all__ = ["HFMoEEngine", "resolve_dtype"]
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
-TINY_CONFIG_FILE = "tiny_moe_config.json"
 
 
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -43,9 +45,14 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
 class HFMoEEngine:
     """``InferenceEngine`` over a transformers MoE causal LM on CPU.
 
-    Build with ``from_config`` (random init from ``TinyMoEConfig``) or
-    ``from_pretrained`` (a folder written by ``save_pretrained``). bf16 by default,
-    as inference engines run; pass ``dtype="float32"`` for exact comparisons.
+    Build with ``from_pretrained`` (a checkpoint folder of any supported family: the
+    normal path) or ``from_config`` (random init from ``TinyMoEConfig``, for tests).
+    bf16 by default, as inference engines run; pass ``dtype="float32"`` for exact
+    comparisons. ``architecture`` defaults to ``describe(model.config)``, which needs
+    the config's ``architectures`` (every saved checkpoint has it).
+
+    ``eos_token_ids`` all stop a request (a checkpoint's generation config may list
+    several); ``pad_token_id`` fills the left padding of prompts.
 
     ``batch_invariant`` (default on) switches the model to the forward of
     ``inference.models.batch_invariant``: a request's output then depends on its
@@ -58,8 +65,9 @@ class HFMoEEngine:
         self,
         model: Any,
         *,
+        architecture: MoEArchitecture | None = None,
         model_name: str = "tiny-moe",
-        eos_token_id: int | None = EOS_TOKEN_ID,
+        eos_token_ids: Sequence[int] = (EOS_TOKEN_ID,),
         pad_token_id: int = EOS_TOKEN_ID,
         max_batch_size: int = 64,
         batch_window_s: float = 0.005,
@@ -70,28 +78,46 @@ class HFMoEEngine:
             raise ValueError(f"max_batch_size: expected an int >= 1, got {max_batch_size!r}")
         if batch_window_s < 0:
             raise ValueError(f"batch_window_s: expected a float >= 0, got {batch_window_s!r}")
+        vocab = model.config.vocab_size
+        if isinstance(eos_token_ids, int) or not all(
+            isinstance(i, int) and 0 <= i < vocab for i in eos_token_ids
+        ):
+            raise ValueError(
+                f"eos_token_ids: expected a sequence of token ids in [0, {vocab}), "
+                f"got {eos_token_ids!r}"
+            )
+        if architecture is None:
+            from inference.models.families import describe
+
+            architecture = describe(model.config)
         if num_threads is not None:
             # Two threads on the shared 2-core CI machine ran 35x slower than one.
             torch.set_num_threads(num_threads)
         if batch_invariant:
             enable_batch_invariance(model)
         self.model = model.eval()
-        cfg = model.config
+        self.architecture = architecture
         self.dtype = next(model.parameters()).dtype
         self._info = EngineInfo(
             model_name=model_name,
-            num_layers=cfg.num_hidden_layers,
-            num_experts=cfg.num_experts,
-            top_k=cfg.num_experts_per_tok,
-            vocab_size=cfg.vocab_size,
+            # The route tensor's layer axis (and /health's): MoE layers only.
+            num_layers=architecture.num_moe_layers,
+            num_experts=architecture.num_experts,
+            top_k=architecture.top_k,
+            vocab_size=vocab,
             dtype=str(self.dtype).removeprefix("torch."),
             batch_invariant=batch_invariant,
         )
-        self.eos_token_id = eos_token_id
+        self.eos_token_ids = tuple(eos_token_ids)
         self.pad_token_id = pad_token_id
         self.max_batch_size = max_batch_size
         self.batch_window_s = batch_window_s
-        self.capture = RouteCapture(model, num_experts=cfg.num_experts)
+        self.capture = RouteCapture(
+            model,
+            num_experts=architecture.num_experts,
+            moe_layers=architecture.moe_layers,
+            capture_point=family_named(architecture.family).capture_point,
+        )
         # One worker thread: the model and its hooks are not safe to run concurrently.
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moe-engine")
         self._model_lock = threading.Lock()
@@ -112,43 +138,57 @@ class HFMoEEngine:
         dtype: str | torch.dtype = torch.bfloat16,
         **options: Any,
     ) -> HFMoEEngine:
+        """The built-in Qwen3-MoE model, randomly initialised from ``seed`` (tests)."""
         config = config or TinyMoEConfig()
         model = build_hf_model(config, seed=seed, dtype=resolve_dtype(dtype))
-        engine = cls(model, **options)
-        engine.tiny_config = config
-        return engine
+        return cls(model, architecture=config.architecture(), **options)
 
     @classmethod
     def from_pretrained(
         cls, folder: str | Path, *, dtype: str | torch.dtype = torch.bfloat16, **options: Any
     ) -> HFMoEEngine:
+        """A checkpoint folder of any supported family (``AutoModelForCausalLM``, local
+        files only), checked first by ``inspect_checkpoint``, whose
+        ``CheckpointFormatError`` (a missing file, an unsupported family) propagates.
+
+        EOS and pad ids come from the checkpoint unless ``options`` name them.
+        """
         from transformers import AutoModelForCausalLM
 
-        path = Path(folder)
-        if not (path / "config.json").is_file():
-            raise FileNotFoundError(f"checkpoint folder: expected config.json in {str(path)!r}")
+        from inference.models.checkpoint import inspect_checkpoint
+
+        info = inspect_checkpoint(folder)
         model = AutoModelForCausalLM.from_pretrained(
-            str(path), dtype=resolve_dtype(dtype), local_files_only=True
+            str(info.path), dtype=resolve_dtype(dtype), local_files_only=True
         )
-        engine = cls(model, **options)
-        tiny = path / TINY_CONFIG_FILE
-        if tiny.is_file():
-            engine.tiny_config = TinyMoEConfig.from_dict(json.loads(tiny.read_text()))
+        options.setdefault("eos_token_ids", info.eos_token_ids)
+        options.setdefault("pad_token_id", info.pad_token_id)
+        engine = cls(model, architecture=info.architecture, **options)
+        engine.checkpoint = info.path
         return engine
 
-    tiny_config: TinyMoEConfig | None = None
-    """The shared architecture record when known (built from one, or saved with one)."""
+    checkpoint: Path | None = None
+    """The folder ``from_pretrained`` read, whose tokenizer ``save_pretrained`` copies."""
 
     def save_pretrained(self, folder: str | Path, *, with_tokenizer: bool = True) -> Path:
-        """Writes a checkpoint ``from_pretrained`` (and ``AutoTokenizer``) can load."""
+        """Writes a checkpoint ``from_pretrained`` (and ``AutoTokenizer``) can load.
+
+        The tokenizer is the source checkpoint's when the engine was loaded from one,
+        else the built-in byte tokenizer (``from_config``).
+        """
         path = Path(folder)
         path.mkdir(parents=True, exist_ok=True)
         with self._model_lock:
             self.model.save_pretrained(str(path))
-        if self.tiny_config is not None:
-            (path / TINY_CONFIG_FILE).write_text(json.dumps(self.tiny_config.to_dict(), indent=2))
         if with_tokenizer:
-            save_byte_tokenizer(path)
+            if self.checkpoint is not None:
+                from inference.models.checkpoint import load_checkpoint_tokenizer
+
+                load_checkpoint_tokenizer(self.checkpoint).save_pretrained(str(path))
+            else:
+                from inference.models.tokenizer import save_byte_tokenizer
+
+                save_byte_tokenizer(path)
         return path
 
     # -- InferenceEngine ----------------------------------------------------------
@@ -233,7 +273,7 @@ class HFMoEEngine:
                 self.model,
                 requests,
                 capture=self.capture,
-                eos_token_id=self.eos_token_id,
+                eos_token_ids=self.eos_token_ids,
                 pad_token_id=self.pad_token_id,
             )
 

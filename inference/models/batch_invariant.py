@@ -1,4 +1,9 @@
-"""Batch-invariant forward for the transformers Qwen3-MoE model on CPU, still in bf16.
+"""Batch-invariant forward for the transformers MoE families on CPU, still in bf16.
+
+Covers the four families ``inference.models.families`` serves (Qwen3-MoE, Qwen2-MoE,
+OLMoE, Mixtral); the causes and fixes below were found on Qwen3-MoE and hold for the
+others because they share every op class (RMSNorm, RoPE, SDPA, top-k router, fused
+SwiGLU experts); each family's extra parts are listed after the fixes.
 
 With the stock forward a bf16 request's output depends on the requests batched with it:
 61 of 64 seeded prompts (lengths 3..120) changed tokens, logprobs and routes between
@@ -35,6 +40,27 @@ bf16 between ops) and makes each row's arithmetic independent of the other rows:
 
 Softmax, top-k and the sampler reduce within one row of fixed length and were checked
 invariant; they are unchanged. Cost: scripts/bench_batch_invariance.py.
+
+Per family, the parts beyond the shared ones:
+
+- **Routers.** All four return ``(logits, top-k weights, top-k ids)``; Qwen3-MoE,
+  Qwen2-MoE and OLMoE renormalise the top-k weights when ``norm_topk_prob``, Mixtral
+  always (it has no such flag) and keeps its weights in fp32.
+- **Dense MLPs** (Qwen ``mlp_only_layers``, Qwen2-MoE's shared expert): their Linears are
+  swapped like all others, and their silu is evaluated in fp64 and rounded once, as the
+  experts' is: the stock silu's vector body and scalar tail disagree in the last fp32
+  bit (above).
+- **Qwen2-MoE's shared-expert gate**: ``sigmoid(x @ w)`` scales the shared expert per
+  token; the sigmoid is evaluated in fp64 and rounded once for the same reason (the
+  gate is ``[tokens, 1]``, so a token's position decides body or tail).
+
+  Both matter for an fp32 engine: with the stock silu 10 of 10 mixed-length requests
+  to the tiny Qwen checkpoints changed between alone and batched, with the stock
+  sigmoid 1 of 10. In bf16 the fp32 last-bit difference did not reach the bf16
+  rounding in 200k elements (nor change a request); fp64 keeps it that way by design.
+
+Anything else under a decoder layer's ``mlp`` (another router, MLP or MoE block) is
+refused by name, and so is a sliding window, which ``_attention`` does not apply.
 """
 
 from __future__ import annotations
@@ -96,16 +122,52 @@ def _rms_norm_forward(self: Any, hidden_states: torch.Tensor) -> torch.Tensor:
     return self.weight * x.to(dtype)
 
 
-def _router_forward(self: Any, hidden_states: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    # Qwen3-MoE's top-k router with an exact logit GEMM. It returns
-    # (logits, top-k weights, top-k ids) like the stock one: RouteCapture reads ids.
+def _top_k_route(
+    self: Any, hidden_states: torch.Tensor, *, renormalise: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A top-k router with an exact logit GEMM: ``(logits, fp32 top-k weights, ids)``,
+    the stock routers' outputs (RouteCapture reads the ids)."""
     hidden_states = hidden_states.reshape(-1, self.hidden_dim)
     logits = exact_linear(hidden_states, _fp64(self, "weight"))
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
     top_weights, top_ids = torch.topk(probs, self.top_k, dim=-1)
-    if self.norm_topk_prob:
+    if renormalise:
         top_weights = top_weights / top_weights.sum(dim=-1, keepdim=True)
+    return logits, top_weights, top_ids
+
+
+def _router_forward(self: Any, hidden_states: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    # Qwen3-MoE, Qwen2-MoE, OLMoE: renormalise when configured; weights in the logits' dtype.
+    logits, top_weights, top_ids = _top_k_route(
+        self, hidden_states, renormalise=self.norm_topk_prob
+    )
     return logits, top_weights.to(logits.dtype), top_ids
+
+
+def _mixtral_router_forward(self: Any, hidden_states: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    # Mixtral always renormalises and, like its stock router, keeps the weights in fp32.
+    return _top_k_route(self, hidden_states, renormalise=True)
+
+
+def _silu_fp64(self: Any, gate: torch.Tensor) -> torch.Tensor:
+    return self.act_fn(gate.double()).to(gate.dtype)
+
+
+def _mlp_forward(self: Any, x: torch.Tensor) -> torch.Tensor:
+    # A dense SwiGLU MLP (its Linears are exact already); the activation as the experts'.
+    return self.down_proj(_silu_fp64(self, self.gate_proj(x)) * self.up_proj(x))
+
+
+def _qwen2_moe_block_forward(self: Any, hidden_states: torch.Tensor) -> torch.Tensor:
+    # Qwen2MoeSparseMoeBlock.forward with the shared-expert gate's sigmoid in fp64.
+    batch_size, sequence_length, hidden_dim = hidden_states.shape
+    flat = hidden_states.view(-1, hidden_dim)
+    shared = self.shared_expert(flat)
+    _, routing_weights, selected_experts = self.gate(flat)
+    routed = self.experts(flat, selected_experts, routing_weights)
+    gate = self.shared_expert_gate(flat)
+    shared = torch.sigmoid(gate.double()).to(gate.dtype) * shared
+    return (routed + shared).reshape(batch_size, sequence_length, hidden_dim)
 
 
 def _rotary_forward(
@@ -302,37 +364,114 @@ def is_batch_invariant(model: Any) -> bool:
     return getattr(model.config, "_attn_implementation", None) == IMPLEMENTATION
 
 
-def enable_batch_invariance(model: Any) -> None:
-    """Switches a transformers Qwen3-MoE causal LM to the batch-invariant forward in place.
+def _supported_modules() -> tuple[dict[type, Any], dict[type, Any], dict[type, Any]]:
+    """(router -> forward, MoE block -> forward or None, dense MLP -> forward) for the
+    four families; ``None``: the stock block forward, which only reshapes and dispatches."""
+    from transformers.models.mixtral import modeling_mixtral as mixtral
+    from transformers.models.olmoe import modeling_olmoe as olmoe
+    from transformers.models.qwen2_moe import modeling_qwen2_moe as qwen2_moe
+    from transformers.models.qwen3_moe import modeling_qwen3_moe as qwen3_moe
 
-    Raises ``ValueError`` naming the part it cannot make invariant (another router or
-    experts layout, a batch-dependent RoPE type); nothing is changed then, and the
-    engine's ``batch_invariant=False`` runs such a model with the stock forward.
-    """
-    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
+    routers: dict[type, Any] = {
+        qwen3_moe.Qwen3MoeTopKRouter: _router_forward,
+        qwen2_moe.Qwen2MoeTopKRouter: _router_forward,
+        olmoe.OlmoeTopKRouter: _router_forward,
+        mixtral.MixtralTopKRouter: _mixtral_router_forward,
+    }
+    blocks: dict[type, Any] = {
+        qwen3_moe.Qwen3MoeSparseMoeBlock: None,
+        qwen2_moe.Qwen2MoeSparseMoeBlock: _qwen2_moe_block_forward,
+        olmoe.OlmoeSparseMoeBlock: None,
+        mixtral.MixtralSparseMoeBlock: None,
+    }
+    mlps: dict[type, Any] = {
+        qwen3_moe.Qwen3MoeMLP: _mlp_forward,
+        qwen2_moe.Qwen2MoeMLP: _mlp_forward,
+    }
+    return routers, blocks, mlps
 
-    config = model.config
+
+def _stock_class(module: torch.nn.Module) -> type:
+    """The transformers class of ``module``, also once ``_swap_forward`` subclassed it
+    (enabling twice, as two engines over one model do, changes nothing)."""
+    cls = type(module)
+    return cls.__mro__[1] if getattr(cls, "_batch_invariant", False) else cls
+
+
+def _names(classes: Any) -> list[str]:
+    return sorted(c.__name__ for c in classes)
+
+
+def _check_static_attention(config: Any) -> None:
     rope_type = (getattr(config, "rope_parameters", None) or {}).get("rope_type", "default")
     if rope_type not in _STATIC_ROPE_TYPES:
         raise ValueError(
             f"batch_invariant: expected a static rope_type {sorted(_STATIC_ROPE_TYPES)}, "
             f"got {rope_type!r} (it rescales with the batch's longest sequence)"
         )
+    # Qwen2-MoE keeps a window size with every layer "full_attention"; only a layer
+    # typed "sliding_attention" (or a config without layer types) would apply it.
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    if window and (layer_types is None or "sliding_attention" in layer_types):
+        raise ValueError(
+            f"batch_invariant: expected full attention (sliding_window null), got "
+            f"sliding_window={window!r}, which the per-request attention does not apply"
+        )
+
+
+def enable_batch_invariance(model: Any) -> None:
+    """Switches a transformers Qwen3-MoE, Qwen2-MoE, OLMoE or Mixtral causal LM to the
+    batch-invariant forward in place.
+
+    Raises ``ValueError`` naming the part it cannot make invariant (a decoder layer's
+    ``mlp`` that is no known MoE block or dense MLP, another router or experts layout,
+    a batch-dependent RoPE type, a sliding window); nothing is changed then, and the
+    engine's ``batch_invariant=False`` runs such a model with the stock forward.
+    """
+    config = model.config
+    _check_static_attention(config)
+    routers, blocks, mlps = _supported_modules()
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if layers is None:
+        raise ValueError(
+            f"batch_invariant: expected a causal LM with decoder layers at model.layers, "
+            f"got {type(model).__name__}"
+        )
+    missing = [i for i, layer in enumerate(layers) if getattr(layer, "mlp", None) is None]
+    if missing:
+        raise ValueError(f"batch_invariant: model.layers{missing}: expected an mlp, got none")
+    # Every decoder layer's feed-forward must be a block or MLP whose forward is known:
+    # an unknown one could compute anything, invariant or not.
+    slots = {id(layer.mlp) for layer in layers}
     plan: list[tuple[torch.nn.Module, Any, str]] = []
     for name, module in model.named_modules():
-        kind = type(module).__name__
-        if isinstance(module, torch.nn.Linear):
+        cls = _stock_class(module)
+        kind = cls.__name__
+        if id(module) in slots or name.endswith("mlp.shared_expert"):
+            if cls in blocks:
+                if blocks[cls] is not None:
+                    plan.append((module, blocks[cls], "moe_block"))
+            elif cls in mlps:
+                plan.append((module, mlps[cls], "mlp"))
+            else:
+                raise ValueError(
+                    f"batch_invariant: {name}: expected an MoE block "
+                    f"{_names(blocks)} or a dense MLP {_names(mlps)}, got {kind}"
+                )
+        elif isinstance(module, torch.nn.Linear):
             plan.append((module, _linear_forward, "linear"))
         elif kind.endswith("RMSNorm") and hasattr(module, "variance_epsilon"):
             plan.append((module, _rms_norm_forward, "rms_norm"))
         elif kind.endswith("RotaryEmbedding"):
             plan.append((module, _rotary_forward, "rotary"))
         elif name.endswith("mlp.gate"):
-            if not isinstance(module, Qwen3MoeTopKRouter):
+            if cls not in routers:
                 raise ValueError(
-                    f"batch_invariant: {name}: expected a Qwen3MoeTopKRouter, got {kind}"
+                    f"batch_invariant: {name}: expected a top-k router {_names(routers)}, "
+                    f"got {kind}"
                 )
-            plan.append((module, _router_forward, "router"))
+            plan.append((module, routers[cls], "router"))
         elif name.endswith("mlp.experts"):
             layout = (
                 getattr(module, "has_gate", False),

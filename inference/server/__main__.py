@@ -1,5 +1,10 @@
 """``python -m inference.server``: serve a CPU MoE engine over HTTP until interrupted.
 
+    python -m inference.server --checkpoint DIR [--port 0] [--api-key-env NAME]
+
+``--checkpoint`` names a Qwen3-MoE, Qwen2-MoE, OLMoE or Mixtral checkpoint folder (for a
+tiny one: ``scripts/make_checkpoint.py``); it is checked before the model loads. Without
+it the built-in model is randomly initialised (``--tiny-moe-json``, ``--model-seed``).
 Prints ``serving <url>`` once bound (with ``--port 0`` the OS picks the port), so a
 launcher can read the URL from the first line of stdout.
 """
@@ -29,11 +34,17 @@ def parse_args(argv: list[str] | None = None) -> tuple[EngineSpec, ServerConfig]
         help="name of an environment variable holding the bearer token (a key on the "
         "command line would show in ps)",
     )
-    parser.add_argument("--checkpoint", default=None, help="folder from save_pretrained")
     parser.add_argument(
-        "--tiny-moe-json", default="{}", help="TinyMoEConfig overrides as JSON (random init)"
+        "--checkpoint",
+        default=None,
+        help="checkpoint folder (config.json, *.safetensors, tokenizer) of a supported family",
     )
-    parser.add_argument("--model-seed", type=int, default=0)
+    parser.add_argument(
+        "--tiny-moe-json",
+        default=None,
+        help="without --checkpoint: TinyMoEConfig overrides as JSON (random init)",
+    )
+    parser.add_argument("--model-seed", type=int, default=0, help="random-init weights only")
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32", "float16"))
     parser.add_argument("--model-name", default="tiny-moe")
     parser.add_argument(
@@ -61,12 +72,24 @@ def parse_args(argv: list[str] | None = None) -> tuple[EngineSpec, ServerConfig]
         api_key = os.environ.get(args.api_key_env)
         if not api_key:
             parser.error(f"--api-key-env: expected a set, non-empty ${args.api_key_env}")
+    if args.checkpoint is not None:
+        if args.tiny_moe_json is not None:
+            parser.error("--tiny-moe-json: expected no overrides with --checkpoint, got some")
+        # Refuse a bad folder now, naming the file and field, not after the model loads.
+        from inference.errors import CheckpointFormatError
+        from inference.models.checkpoint import inspect_checkpoint
+
+        try:
+            inspect_checkpoint(args.checkpoint)
+        except CheckpointFormatError as exc:
+            parser.error(f"--checkpoint {args.checkpoint}: {exc}")
+    tiny_json = "{}" if args.tiny_moe_json is None else args.tiny_moe_json
     try:
-        tiny = json.loads(args.tiny_moe_json)
+        tiny = json.loads(tiny_json)
     except json.JSONDecodeError as exc:
-        parser.error(f"--tiny-moe-json: expected a JSON object, got {args.tiny_moe_json!r} ({exc})")
+        parser.error(f"--tiny-moe-json: expected a JSON object, got {tiny_json!r} ({exc})")
     if not isinstance(tiny, dict):
-        parser.error(f"--tiny-moe-json: expected a JSON object, got {args.tiny_moe_json!r}")
+        parser.error(f"--tiny-moe-json: expected a JSON object, got {tiny_json!r}")
     engine = EngineSpec(
         tiny_moe=tiny,
         checkpoint=args.checkpoint,

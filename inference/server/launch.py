@@ -16,12 +16,23 @@ from inference.engine.base import InferenceEngine
 
 @dataclass(frozen=True)
 class EngineSpec:
-    """A CPU MoE engine: random init from ``tiny_moe`` (a ``TinyMoEConfig`` dict) with
-    ``seed``, or a ``checkpoint`` folder written by ``HFMoEEngine.save_pretrained``."""
+    """A CPU MoE engine, normally from a ``checkpoint`` folder.
+
+    ``checkpoint`` is any folder ``inspect_checkpoint`` accepts: a Qwen3-MoE, Qwen2-MoE,
+    OLMoE or Mixtral checkpoint (``scripts/make_checkpoint.py`` writes tiny ones), whose
+    config, EOS and pad ids the engine uses. Without one the engine is the built-in
+    Qwen3-MoE randomly initialised from ``tiny_moe`` (``TinyMoEConfig`` overrides) and
+    ``seed``, in milliseconds and without a folder, for the server tests and
+    ``python -m inference.server`` without ``--checkpoint``. (The trainer's launch
+    always passes a folder: the built-in model is written as one first.)
+    """
 
     tiny_moe: dict[str, Any] = field(default_factory=dict)
+    """``TinyMoEConfig`` overrides for the random-init engine; must be empty with a
+    checkpoint (the checkpoint has its own config)."""
     checkpoint: str | None = None
     seed: int = 0
+    """Random-init weights only; a checkpoint's weights are its own."""
     dtype: str = "bfloat16"
     """Inference engines run in bf16; "float32" gives exact comparisons in tests."""
     model_name: str = "tiny-moe"

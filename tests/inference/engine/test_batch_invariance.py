@@ -16,6 +16,7 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
+from _prefill_probe import prefill_and_step
 from transformers import DynamicCache
 
 from inference.engine.base import EngineOutput, EngineRequest, SamplingParams
@@ -207,35 +208,12 @@ def test_same_model_as_the_stock_forward_in_fp64() -> None:
     ids, mask, positions = _padded(_prompts(6, 0))
     results = []
     for model in (stock, invariant):
-        results.append(_prefill_and_step(model, ids, mask, positions))
+        results.append(prefill_and_step(model, range(4), ids, mask, positions, next_token=65))
     (a_pre, a_step, a_routes, a_steps), (b_pre, b_step, b_routes, b_steps) = results
     torch.testing.assert_close(a_pre, b_pre, rtol=0, atol=1e-5)
     torch.testing.assert_close(a_step, b_step, rtol=0, atol=1e-5)
     assert torch.equal(a_routes, b_routes)
     assert all(torch.equal(x, y) for x, y in zip(a_steps, b_steps, strict=True))
-
-
-@torch.inference_mode()
-def _prefill_and_step(model, ids, mask, positions) -> tuple:
-    """Left-padded prefill + one decode step: real-token logits, step logits, routes."""
-    routes: list[torch.Tensor] = []
-    hooks = [
-        layer.mlp.gate.register_forward_hook(lambda _m, _i, out: routes.append(out[2]))
-        for layer in model.model.layers
-    ]
-    cache = DynamicCache(config=model.config)
-    prefill = model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache)
-    step = model(
-        input_ids=torch.full((len(ids), 1), 65),
-        attention_mask=torch.cat([mask, mask.new_ones(len(ids), 1)], dim=1),
-        position_ids=mask.sum(-1, keepdim=True),
-        cache=cache,
-    )
-    for hook in hooks:
-        hook.remove()
-    real = mask.bool().flatten()
-    prefill_routes = torch.stack([r[real] for r in routes[:4]])
-    return prefill.logits[mask.bool()], step.logits, prefill_routes, routes[4:]
 
 
 def test_packed_prefill_equals_the_left_padded_prefill() -> None:

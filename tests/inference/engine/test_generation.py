@@ -107,7 +107,7 @@ def test_stop_token_ends_generation_and_is_included(fp32_engine) -> None:
 def test_eos_stops_by_default_unless_ignored(fp32_engine) -> None:
     free = fp32_engine.generate_sync([_req(4, max_tokens=8, temperature=0.0, ignore_eos=True)])[0]
     eos = free.token_ids[2]
-    engine = HFMoEEngine(fp32_engine.model, eos_token_id=eos, num_threads=None)
+    engine = HFMoEEngine(fp32_engine.model, eos_token_ids=(eos,), num_threads=None)
     try:
         out = engine.generate_sync([_req(4, max_tokens=8, temperature=0.0)])[0]
         assert out.token_ids == free.token_ids[: free.token_ids.index(eos) + 1]

@@ -9,6 +9,7 @@ import torch
 
 from inference.engine.base import EngineRequest, SamplingParams
 from inference.engine.hf_engine import HFMoEEngine
+from inference.errors import CheckpointFormatError
 from inference.models.tokenizer import load_tokenizer
 
 
@@ -58,11 +59,14 @@ def test_save_and_load_checkpoint_roundtrip(fp32_engine, tmp_path) -> None:
         a, b = fp32_engine.generate_sync(reqs)[0], loaded.generate_sync(reqs)[0]
         assert a.token_ids == b.token_ids
         assert (a.routed_experts == b.routed_experts).all()
-        assert loaded.tiny_config == fp32_engine.tiny_config
+        # The architecture is read back from config.json alone: no side file.
+        assert loaded.architecture == fp32_engine.architecture
+        assert not (folder / "tiny_moe_config.json").exists()
         assert load_tokenizer(folder).eos_token_id == 256
+        assert loaded.eos_token_ids == (256,) and loaded.pad_token_id == 256
     finally:
         loaded.capture.remove()
-    with pytest.raises(FileNotFoundError, match="config.json"):
+    with pytest.raises(CheckpointFormatError, match="folder"):
         HFMoEEngine.from_pretrained(tmp_path / "nothing")
 
 

@@ -18,7 +18,15 @@ from inference.server.__main__ import parse_args
 REPO = Path(__file__).resolve().parents[3]
 
 
-def test_cli_prints_url_serves_and_stops_on_sigterm() -> None:
+def _model_args(kind: str, checkpoints: dict[str, Path]) -> list[str]:
+    if kind == "checkpoint":
+        # Qwen3-MoE, 3 layers with a dense first one: 2 route layers.
+        return ["--checkpoint", str(checkpoints["qwen3_moe"])]
+    return ["--model-seed", "0", "--tiny-moe-json", '{"num_layers": 2}']
+
+
+@pytest.mark.parametrize("kind", ["checkpoint", "random-init"])
+def test_cli_prints_url_serves_and_stops_on_sigterm(kind: str, tiny_checkpoints) -> None:
     env = {
         **os.environ,
         "OMP_NUM_THREADS": "1",
@@ -28,8 +36,8 @@ def test_cli_prints_url_serves_and_stops_on_sigterm() -> None:
     process = subprocess.Popen(
         [
             sys.executable, "-m", "inference.server",
-            "--host", "127.0.0.1", "--port", "0", "--model-seed", "0",
-            "--api-key-env", "R3_TEST_KEY", "--tiny-moe-json", '{"num_layers": 2}',
+            "--host", "127.0.0.1", "--port", "0", "--api-key-env", "R3_TEST_KEY",
+            *_model_args(kind, tiny_checkpoints),
         ],
         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
@@ -50,7 +58,7 @@ def test_cli_prints_url_serves_and_stops_on_sigterm() -> None:
                 )
 
         result = asyncio.run(main())
-        assert result.routed_experts.shape[1] == 2  # --tiny-moe-json reached the engine
+        assert result.routed_experts.shape[1] == 2  # the model arguments reached the engine
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=30) == 0
         assert process.stdout.readline().strip() == "stopped"
@@ -66,6 +74,11 @@ def test_cli_prints_url_serves_and_stops_on_sigterm() -> None:
         (["--tiny-moe-json", "[1]"], "--tiny-moe-json: expected a JSON object"),
         (["--tiny-moe-json", "{oops"], "--tiny-moe-json: expected a JSON object"),
         (["--api-key-env", "R3_SURELY_UNSET_VAR"], "--api-key-env: expected a set"),
+        (["--checkpoint", "/surely/not/a/folder"], "folder: expected an existing checkpoint"),
+        (
+            ["--checkpoint", "/surely/not/a/folder", "--tiny-moe-json", "{}"],
+            "--tiny-moe-json: expected no overrides with --checkpoint",
+        ),
     ],
 )
 def test_cli_refuses_bad_arguments(
@@ -92,3 +105,10 @@ def test_cli_arguments_map_to_the_configs(monkeypatch: pytest.MonkeyPatch) -> No
     # Batch-invariant generation by default; --no-batch-invariant runs the stock forward.
     assert engine.batch_invariant is True
     assert parse_args(["--no-batch-invariant"])[0].batch_invariant is False
+
+
+def test_cli_checkpoint_maps_to_the_spec(tiny_checkpoints) -> None:
+    folder = str(tiny_checkpoints["mixtral"])
+    engine, _ = parse_args(["--checkpoint", folder, "--model-name", "mixtral-tiny"])
+    assert engine == EngineSpec(checkpoint=folder, model_name="mixtral-tiny")
+    assert engine.tiny_moe == {}
