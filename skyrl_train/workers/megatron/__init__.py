@@ -1,7 +1,7 @@
 """Megatron-core policy worker with Rollout Routing Replay (R3).
 
 Modules: ``cpu_compat`` (the CPU shim), ``settings`` (``trainer.policy.megatron_config``),
-``model`` (TransformerConfig + GPTModel from ``TinyMoEConfig``), ``convert`` (weights
+``model`` (TransformerConfig + GPTModel from ``MoEArchitecture``), ``convert`` (weights
 both ways in the engine's HF layout), ``layout`` (left-padded batch -> contiguous rows),
 ``replay`` (route checks and the RouterReplay driver), ``worker`` (the public worker).
 """

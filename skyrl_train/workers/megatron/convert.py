@@ -1,12 +1,21 @@
-"""Weights both ways between a Megatron GPTModel and the engine's HF Qwen3-MoE layout.
+"""Weights both ways between a Megatron GPTModel and a Hugging Face MoE family's layout.
+
+Names on the HF side are the transformers model's own (``named_parameters()``), which
+is what the engine loads and exports. Which tensors exist is the family's business
+(``inference.models.families``): its ``layer_table`` maps one-to-one tensors inside a
+decoder layer and its ``fused_table`` Megatron tensors concatenated on dim 0 from
+several HF ones (a dense or shared-expert MLP's ``[gate; up]``). An entry applies in a
+layer where the Megatron parameter exists, so dense and MoE layers of one model take
+different entries. q/k/v fusion and the stacked experts are common to every family.
 
 Both directions stream: ``export_hf_weights`` yields ``(name, tensor)`` one HF tensor
 at a time, ``load_hf_weights`` consumes any iterable of them and only buffers what a
 fused Megatron tensor needs (a layer's q/k/v until all three arrived).
 
 Layouts that must match (measured: fp32 logits within 3e-7 once they did):
-- ``linear_qkv`` is laid out per KV group: that group's query heads, then its key
-  head, then its value head. Concatenating all-q/all-k/all-v cost 0.77 in logits.
+- ``linear_qkv`` (and its bias, Qwen2-MoE) is laid out per KV group: that group's
+  query heads, then its key head, then its value head. Concatenating all-q/all-k/all-v
+  cost 0.77 in logits.
 - transformers 5.x stores experts fused: ``mlp.experts.gate_up_proj [E, 2I, H]``, gate
   rows first, is each expert's ``linear_fc1`` as is (Megatron's gated unit applies
   silu to the first half); ``mlp.experts.down_proj [E, H, I]`` is ``linear_fc2``.
@@ -18,24 +27,93 @@ Layouts that must match (measured: fp32 logits within 3e-7 once they did):
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from inference.models.tiny_moe import TinyMoEConfig
+from inference.models.architecture import Family, MoEArchitecture
+from inference.models.families import family_named
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+_EXPERTS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+_EXPERT_PREFIX = "mlp.experts.local_experts."
 
-# HF name suffix inside a layer -> Megatron name suffix, for one-to-one tensors.
-_LAYER_DIRECT = {
-    "input_layernorm.weight": "input_layernorm.weight",
-    "post_attention_layernorm.weight": "pre_mlp_layernorm.weight",
-    "self_attn.o_proj.weight": "self_attention.linear_proj.weight",
-    "self_attn.q_norm.weight": "self_attention.q_layernorm.weight",
-    "self_attn.k_norm.weight": "self_attention.k_layernorm.weight",
-    "mlp.gate.weight": "mlp.router.weight",
-}
+
+@dataclass(frozen=True)
+class _Fused:
+    """One Megatron tensor built from several HF tensors of the same layer."""
+
+    parts: tuple[str, ...]
+    """HF suffixes, in concatenation order."""
+    fuse: Callable[[list[torch.Tensor]], torch.Tensor]
+    split: Callable[[torch.Tensor], list[torch.Tensor]]
+    part_rows: Callable[[torch.Tensor], list[int]]
+    """Rows (dim 0) of each part, given the Megatron parameter."""
+
+
+def _qkv_rows(arch: MoEArchitecture) -> list[int]:
+    return [
+        arch.num_attention_heads * arch.head_dim,
+        arch.num_kv_heads * arch.head_dim,
+        arch.num_kv_heads * arch.head_dim,
+    ]
+
+
+def fuse_qkv(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, arch: MoEArchitecture
+) -> torch.Tensor:
+    """HF q/k/v projections (weights ``[rows, H]`` or biases ``[rows]``) -> Megatron
+    ``linear_qkv`` (per KV group: q heads, k, v)."""
+    groups, hd = arch.num_kv_heads, arch.head_dim
+    per_group = arch.num_attention_heads // groups
+    rest = tuple(q.shape[1:])
+    q = q.reshape(groups, per_group * hd, *rest)
+    k = k.reshape(groups, hd, *rest)
+    v = v.reshape(groups, hd, *rest)
+    return torch.cat([q, k, v], dim=1).reshape(-1, *rest)
+
+
+def split_qkv(
+    qkv: torch.Tensor, arch: MoEArchitecture
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Megatron ``linear_qkv`` weight or bias -> HF (q, k, v) projections."""
+    groups, hd = arch.num_kv_heads, arch.head_dim
+    per_group = arch.num_attention_heads // groups
+    rest = tuple(qkv.shape[1:])
+    grouped = qkv.reshape(groups, (per_group + 2) * hd, *rest)
+    q, k, v = torch.split(grouped, [per_group * hd, hd, hd], dim=1)
+    return q.reshape(-1, *rest), k.reshape(-1, *rest), v.reshape(-1, *rest)
+
+
+def _fused_entries(arch: MoEArchitecture, family: Family) -> dict[str, _Fused]:
+    """Megatron suffix -> how it is built: q/k/v (weights, and biases when the family
+    has them) and the family's ``fused_table`` (equal parts concatenated on dim 0)."""
+
+    def qkv(kind: str) -> _Fused:
+        return _Fused(
+            parts=tuple(f"self_attn.{p}_proj.{kind}" for p in "qkv"),
+            fuse=lambda ts: fuse_qkv(ts[0], ts[1], ts[2], arch),
+            split=lambda t: list(split_qkv(t, arch)),
+            part_rows=lambda _param: _qkv_rows(arch),
+        )
+
+    def concat(parts: tuple[str, ...]) -> _Fused:
+        n = len(parts)
+        return _Fused(
+            parts=parts,
+            fuse=lambda ts: torch.cat(ts, dim=0),
+            split=lambda t: list(torch.chunk(t, n, dim=0)),
+            part_rows=lambda param: [param.shape[0] // n] * n,
+        )
+
+    entries = {"self_attention.linear_qkv.weight": qkv("weight")}
+    if arch.qkv_bias:
+        entries["self_attention.linear_qkv.bias"] = qkv("bias")
+    for mg_suffix, hf_suffixes in family.fused_table.items():
+        entries[mg_suffix] = concat(tuple(hf_suffixes))
+    return entries
 
 
 def _ep_layout() -> tuple[int, int, Any]:
@@ -50,27 +128,6 @@ def _ep_layout() -> tuple[int, int, Any]:
     )
 
 
-def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: TinyMoEConfig) -> torch.Tensor:
-    """HF q/k/v projections -> Megatron ``linear_qkv`` (per KV group: q heads, k, v)."""
-    groups, hd, hidden = cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size
-    per_group = cfg.num_attention_heads // groups
-    q = q.reshape(groups, per_group * hd, hidden)
-    k = k.reshape(groups, hd, hidden)
-    v = v.reshape(groups, hd, hidden)
-    return torch.cat([q, k, v], dim=1).reshape(-1, hidden)
-
-
-def split_qkv(
-    qkv: torch.Tensor, cfg: TinyMoEConfig
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Megatron ``linear_qkv`` -> HF (q, k, v) projections."""
-    groups, hd, hidden = cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size
-    per_group = cfg.num_attention_heads // groups
-    grouped = qkv.reshape(groups, (per_group + 2) * hd, hidden)
-    q, k, v = torch.split(grouped, [per_group * hd, hd, hd], dim=1)
-    return q.reshape(-1, hidden), k.reshape(-1, hidden), v.reshape(-1, hidden)
-
-
 def _gather_experts(local: torch.Tensor, ep_size: int, group: Any) -> torch.Tensor:
     if ep_size == 1:
         return local
@@ -79,44 +136,68 @@ def _gather_experts(local: torch.Tensor, ep_size: int, group: Any) -> torch.Tens
     return torch.cat(parts, dim=0)
 
 
-def export_hf_weights(model: Any, cfg: TinyMoEConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield the model's weights in HF Qwen3-MoE names, one tensor at a time (fp32,
-    detached copies, so the consumer may keep or cast them)."""
+def export_hf_weights(model: Any, arch: MoEArchitecture) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield the model's weights under the family's HF names, one tensor at a time
+    (fp32, detached copies, so the consumer may keep or cast them).
+
+    Every Megatron parameter is exported or this raises ValueError naming the one no
+    table maps (a tensor silently left behind would reach the engine as its old value).
+    """
+    family = family_named(arch.family)
+    fused = _fused_entries(arch, family)
     _ep_rank, ep_size, ep_group = _ep_layout()
     yield "model.embed_tokens.weight", model.embedding.word_embeddings.weight.detach().clone()
     for layer in model.decoder.layers:
         number = layer.layer_number - 1  # Megatron numbers layers from 1, globally
         prefix = f"model.layers.{number}"
-        attn, mlp = layer.self_attention, layer.mlp
-        q, k, v = split_qkv(attn.linear_qkv.weight.detach(), cfg)
-        yield f"{prefix}.self_attn.q_proj.weight", q.clone()
-        yield f"{prefix}.self_attn.k_proj.weight", k.clone()
-        yield f"{prefix}.self_attn.v_proj.weight", v.clone()
-        params = dict(layer.named_parameters())
-        for hf_suffix, mg_suffix in _LAYER_DIRECT.items():
-            yield f"{prefix}.{hf_suffix}", params[mg_suffix].detach().clone()
-        experts = mlp.experts.local_experts
-        fc1 = torch.stack([e.linear_fc1.weight.detach() for e in experts])
-        fc2 = torch.stack([e.linear_fc2.weight.detach() for e in experts])
-        yield f"{prefix}.mlp.experts.gate_up_proj", _gather_experts(fc1, ep_size, ep_group)
-        yield f"{prefix}.mlp.experts.down_proj", _gather_experts(fc2, ep_size, ep_group)
+        params = {name: p.detach() for name, p in layer.named_parameters()}
+        done: set[str] = set()
+        for mg_suffix, entry in fused.items():
+            if mg_suffix in params:
+                for hf_suffix, part in zip(
+                    entry.parts, entry.split(params[mg_suffix]), strict=True
+                ):
+                    yield f"{prefix}.{hf_suffix}", part.clone()
+                done.add(mg_suffix)
+        for hf_suffix, mg_suffix in family.layer_table.items():
+            if mg_suffix in params:
+                yield f"{prefix}.{hf_suffix}", params[mg_suffix].clone()
+                done.add(mg_suffix)
+        if hasattr(layer.mlp, "experts"):
+            experts = layer.mlp.experts.local_experts
+            fc1 = torch.stack([e.linear_fc1.weight.detach() for e in experts])
+            fc2 = torch.stack([e.linear_fc2.weight.detach() for e in experts])
+            yield f"{prefix}.mlp.experts.gate_up_proj", _gather_experts(fc1, ep_size, ep_group)
+            yield f"{prefix}.mlp.experts.down_proj", _gather_experts(fc2, ep_size, ep_group)
+            done.update(n for n in params if n.startswith(_EXPERT_PREFIX))
+        left = sorted(set(params) - done)
+        if left:
+            raise ValueError(
+                f"decoder.layers.{number}.{left[0]}: expected a mapping to a "
+                f"{family.architectures[0]} weight, got none in the family's tables"
+            )
     yield "model.norm.weight", model.decoder.final_layernorm.weight.detach().clone()
-    if not cfg.tie_word_embeddings:
+    if not arch.tie_word_embeddings:
         yield "lm_head.weight", model.output_layer.weight.detach().clone()
 
 
 def load_hf_weights(
-    model: Any, named_tensors: Iterable[tuple[str, torch.Tensor]], cfg: TinyMoEConfig
+    model: Any, named_tensors: Iterable[tuple[str, torch.Tensor]], arch: MoEArchitecture
 ) -> int:
     """Copy HF-named tensors into ``model``; returns how many HF tensors were consumed.
 
-    Unknown names and shape mismatches raise ValueError naming the tensor; a layer
-    whose q/k/v did not all arrive is reported at the end.
+    Unknown names (including a tensor of a kind this layer does not have, such as a
+    router weight for a dense layer) and shape mismatches raise ValueError naming the
+    tensor; a fused tensor whose parts did not all arrive is reported at the end.
     """
+    family = family_named(arch.family)
+    what = f"a {family.architectures[0]} weight name of this model"
+    fused = _fused_entries(arch, family)
+    part_of = {hf: (mg, i) for mg, entry in fused.items() for i, hf in enumerate(entry.parts)}
     ep_rank, ep_size, _group = _ep_layout()
-    local_experts = cfg.num_experts // ep_size
+    local_experts = arch.num_experts // ep_size
     layers = {layer.layer_number - 1: layer for layer in model.decoder.layers}
-    pending_qkv: dict[int, dict[str, torch.Tensor]] = {}
+    pending: dict[tuple[int, str], dict[int, torch.Tensor]] = {}
     loaded = 0
     for name, tensor in named_tensors:
         tensor = tensor.detach()
@@ -125,31 +206,34 @@ def load_hf_weights(
         elif name == "model.norm.weight":
             _copy(model.decoder.final_layernorm.weight, tensor, name)
         elif name == "lm_head.weight":
-            if not cfg.tie_word_embeddings:
+            if not arch.tie_word_embeddings:
                 _copy(model.output_layer.weight, tensor, name)
         else:
             match = _LAYER.match(name)
             if match is None or int(match.group(1)) not in layers:
-                raise ValueError(f"{name}: expected a Qwen3-MoE weight name of this model")
+                raise ValueError(f"{name}: expected {what}")
             number, suffix = int(match.group(1)), match.group(2)
             layer = layers[number]
-            if suffix in _LAYER_DIRECT:
-                _copy(dict(layer.named_parameters())[_LAYER_DIRECT[suffix]], tensor, name)
-            elif suffix in (
-                "self_attn.q_proj.weight",
-                "self_attn.k_proj.weight",
-                "self_attn.v_proj.weight",
-            ):
-                parts = pending_qkv.setdefault(number, {})
-                parts[suffix.split(".")[1][0]] = tensor
-                if len(parts) == 3:
-                    fused = fuse_qkv(parts["q"], parts["k"], parts["v"], cfg)
-                    _copy(layer.self_attention.linear_qkv.weight, fused, f"{name} (fused qkv)")
-                    del pending_qkv[number]
-            elif suffix in ("mlp.experts.gate_up_proj", "mlp.experts.down_proj"):
-                if tensor.shape[0] != cfg.num_experts:
+            params = dict(layer.named_parameters())
+            direct = family.layer_table.get(suffix, "")
+            if direct in params:
+                _copy(params[direct], tensor, name)
+            elif suffix in part_of and part_of[suffix][0] in params:
+                mg_suffix, index = part_of[suffix]
+                entry, param = fused[mg_suffix], params[mg_suffix]
+                rows = entry.part_rows(param)[index]
+                _check_shape((rows, *param.shape[1:]), tensor, name)
+                parts = pending.setdefault((number, mg_suffix), {})
+                parts[index] = tensor
+                if len(parts) == len(entry.parts):
+                    whole = entry.fuse([parts[i] for i in range(len(entry.parts))])
+                    _copy(param, whole, f"{name} (fused into {mg_suffix})")
+                    del pending[(number, mg_suffix)]
+            elif suffix in _EXPERTS and hasattr(layer.mlp, "experts"):
+                if tensor.dim() != 3 or tensor.shape[0] != arch.num_experts:
                     raise ValueError(
-                        f"{name}.shape[0]: expected {cfg.num_experts} experts, got {tensor.shape[0]}"
+                        f"{name}.shape: expected [{arch.num_experts}, rows, cols] (one slice "
+                        f"per expert), got {tuple(tensor.shape)}"
                     )
                 mine = tensor[ep_rank * local_experts : (ep_rank + 1) * local_experts]
                 attr = "linear_fc1" if suffix.endswith("gate_up_proj") else "linear_fc2"
@@ -160,19 +244,24 @@ def load_hf_weights(
                         f"{name}[{ep_rank * local_experts + j}]",
                     )
             else:
-                raise ValueError(f"{name}: expected a Qwen3-MoE weight name of this model")
+                raise ValueError(f"{name}: expected {what}")
         loaded += 1
-    if pending_qkv:
-        layer, parts = next(iter(pending_qkv.items()))
+    if pending:
+        (number, mg_suffix), parts = next(iter(pending.items()))
+        names = fused[mg_suffix].parts
         raise ValueError(
-            f"model.layers.{layer}.self_attn: expected q_proj, k_proj and v_proj, "
-            f"got only {sorted(parts)}"
+            f"model.layers.{number}: expected all of {list(names)} (fused into "
+            f"{mg_suffix}), got only {[names[i] for i in sorted(parts)]}"
         )
     return loaded
 
 
+def _check_shape(expected: tuple[int, ...], value: torch.Tensor, name: str) -> None:
+    if tuple(expected) != tuple(value.shape):
+        raise ValueError(f"{name}.shape: expected {tuple(expected)}, got {tuple(value.shape)}")
+
+
 def _copy(param: torch.Tensor, value: torch.Tensor, name: str) -> None:
-    if tuple(param.shape) != tuple(value.shape):
-        raise ValueError(f"{name}.shape: expected {tuple(param.shape)}, got {tuple(value.shape)}")
+    _check_shape(tuple(param.shape), value, name)
     with torch.no_grad():
         param.copy_(value.to(dtype=param.dtype, device=param.device))

@@ -1,22 +1,32 @@
-"""Build a megatron-core GPTModel that reproduces the engine's tiny Qwen3-MoE model.
+"""Build a megatron-core GPTModel that reproduces a Hugging Face MoE checkpoint.
 
-Every setting below was needed for Megatron and transformers to agree (fp32 logits
-within 3e-7 when measured, identical top-k routes in the same order):
+The model is built from ``MoEArchitecture`` (``inference.models.architecture``), so
+Qwen3-MoE, Qwen2-MoE, OLMoE and Mixtral all go through one path. Every setting below
+was needed for Megatron and transformers to agree (fp32 logits within 3e-7 on the
+built-in model when measured, identical top-k routes in the same order):
 
-- ``moe_router_pre_softmax=False`` pairs with ``norm_topk_prob=True`` (softmax over the
-  top-k logits == renormalised top-k of the full softmax); the wrong pairing cost up
-  to 9 in logits. With ``norm_topk_prob=False`` the pre-softmax router is the match.
-- ``layernorm_epsilon`` and ``rotary_base`` come from the model config (Megatron's
+- ``moe_router_pre_softmax = not norm_topk_prob``: softmax over the top-k logits ==
+  renormalised top-k of the full softmax; without renormalisation (Qwen2-MoE, OLMoE)
+  the pre-softmax router is the match. The wrong pairing cost up to 9 in logits.
+- ``layernorm_epsilon`` and ``rotary_base`` come from the checkpoint (Megatron's
   default eps of 1e-5 cost 6e-3 in logits); ``rotary_interleaved=False`` (HF's
   rotate_half layout).
-- ``qk_layernorm=True`` must be in the *layer spec*: without it the q/k norm weights
-  are silently dropped.
+- q/k norm must be in the *layer spec*: without it the norm weights are silently
+  dropped. Per-head (Qwen3-MoE) is Megatron's own ``qk_layernorm``; OLMoE normalises
+  the whole projection, which ``FullWidthQKSelfAttention`` below adds.
+- Dense layers (Qwen ``mlp_only_layers``) come from a 0/1 ``moe_layer_freq`` list and
+  use ``ffn_hidden_size``; the experts use ``moe_ffn_hidden_size``.
+- Qwen2-MoE's shared expert is Megatron's ``SharedExpertMLP`` with its gate:
+  ``sigmoid(x @ gate_weight.T) * mlp(x)``, the same as HF's
+  ``sigmoid(shared_expert_gate(x)) * shared_expert(x)`` (gate weight ``[1, hidden]``).
 - SequentialMLP experts (no grouped GEMM), allgather dispatcher, every fusion off and
   ``use_cpu_initialization=True``: the configuration that runs on CPU.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import os
 from types import SimpleNamespace
 from typing import Any
@@ -24,44 +34,56 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from inference.models.tiny_moe import TinyMoEConfig
+from inference.models.architecture import MoEArchitecture
 from skyrl_train.errors import ConfigValidationError
 from skyrl_train.workers.megatron.cpu_compat import apply_cpu_compat, cpu_compat_needed
 from skyrl_train.workers.megatron.settings import MegatronSettings, refuse_replay_incompatible
 
 
-def transformer_config_kwargs(model: TinyMoEConfig, settings: MegatronSettings) -> dict[str, Any]:
-    """The TransformerConfig kwargs for ``model``; the passthrough kwargs win."""
+def moe_layer_pattern(arch: MoEArchitecture) -> list[int]:
+    """Megatron's ``moe_layer_freq`` as a list: 1 for a layer with a router, 0 dense."""
+    moe = set(arch.moe_layers)
+    return [1 if i in moe else 0 for i in range(arch.num_layers)]
+
+
+def transformer_config_kwargs(arch: MoEArchitecture, settings: MegatronSettings) -> dict[str, Any]:
+    """The TransformerConfig kwargs for ``arch``; the passthrough kwargs win."""
     base: dict[str, Any] = dict(
-        num_layers=model.num_layers,
-        hidden_size=model.hidden_size,
-        num_attention_heads=model.num_attention_heads,
-        num_query_groups=model.num_kv_heads,
-        kv_channels=model.head_dim,
-        ffn_hidden_size=model.moe_intermediate_size,
-        moe_ffn_hidden_size=model.moe_intermediate_size,
-        num_moe_experts=model.num_experts,
-        moe_router_topk=model.top_k,
-        moe_router_pre_softmax=not model.norm_topk_prob,
+        num_layers=arch.num_layers,
+        hidden_size=arch.hidden_size,
+        num_attention_heads=arch.num_attention_heads,
+        num_query_groups=arch.num_kv_heads,
+        kv_channels=arch.head_dim,
+        # Only dense layers read ffn_hidden_size; an all-MoE model has none.
+        ffn_hidden_size=arch.dense_ffn_hidden_size or arch.moe_ffn_hidden_size,
+        moe_ffn_hidden_size=arch.moe_ffn_hidden_size,
+        moe_layer_freq=moe_layer_pattern(arch),
+        num_moe_experts=arch.num_experts,
+        moe_router_topk=arch.top_k,
+        moe_router_pre_softmax=not arch.norm_topk_prob,
         moe_router_score_function="softmax",
         moe_router_load_balancing_type="none",
         moe_aux_loss_coeff=0.0,
+        moe_shared_expert_intermediate_size=arch.shared_expert_ffn_hidden_size,
+        moe_shared_expert_gate=arch.shared_expert_ffn_hidden_size is not None,
         moe_token_dispatcher_type="allgather",
         moe_grouped_gemm=False,
         moe_router_fusion=False,
         moe_permute_fusion=False,
         moe_enable_routing_replay=settings.moe_enable_routing_replay,
         normalization="RMSNorm",
-        layernorm_epsilon=model.rms_norm_eps,
+        layernorm_epsilon=arch.rms_norm_eps,
         gated_linear_unit=True,
         activation_func=F.silu,
         add_bias_linear=False,
-        add_qkv_bias=False,
-        qk_layernorm=True,
+        add_qkv_bias=arch.qkv_bias,
+        # Also true for "full": the spec then carries norms, which
+        # FullWidthQKSelfAttention replaces by full-width ones.
+        qk_layernorm=arch.qk_norm != "none",
         rotary_interleaved=False,
         attention_dropout=0.0,
         hidden_dropout=0.0,
-        init_method_std=model.initializer_range,
+        init_method_std=arch.initializer_range,
         params_dtype=torch.float32,
         use_cpu_initialization=cpu_compat_needed(),
         bias_activation_fusion=False,
@@ -80,12 +102,20 @@ def transformer_config_kwargs(model: TinyMoEConfig, settings: MegatronSettings) 
     return base
 
 
-def build_transformer_config(model: TinyMoEConfig, settings: MegatronSettings) -> Any:
+def build_transformer_config(arch: MoEArchitecture, settings: MegatronSettings) -> Any:
     """The resolved TransformerConfig; replay compatibility is checked before and after
     construction (a pipeline layout can imply VPP only once the config resolves it)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    kwargs = transformer_config_kwargs(model, settings)
+    if arch.qk_norm == "full" and settings.tensor_model_parallel_size != 1:
+        # Each TP rank holds a slice of the heads; a norm over the whole projection
+        # would need the other ranks' sums of squares, which nothing here reduces.
+        raise ConfigValidationError(
+            f"{settings.key}.tensor_model_parallel_size",
+            f"expected 1 for a {arch.family} model (q/k RMSNorm over the whole "
+            f"projection), got {settings.tensor_model_parallel_size}",
+        )
+    kwargs = transformer_config_kwargs(arch, settings)
     refuse_replay_incompatible(settings, SimpleNamespace(**kwargs))
     config = TransformerConfig(**kwargs)
     refuse_replay_incompatible(settings, config)
@@ -166,40 +196,90 @@ def init_parallel_state(settings: MegatronSettings, *, seed: int) -> None:
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 
-def build_gpt_model(model: TinyMoEConfig, config: Any, *, seed: int) -> Any:
-    """A GPTModel for ``model``; parallel state must be initialised.
+def build_gpt_model(arch: MoEArchitecture, config: Any, *, seed: int) -> Any:
+    """A GPTModel for ``arch``; parallel state must be initialised.
 
-    RouterReplay registers every router in a process-global list in build order, so
-    the list is cleared first: a previous model's routers would otherwise shift the
-    index of every layer's replay tensor.
+    The layer specs are Megatron's own per-layer dense/MoE specs from
+    ``moe_layer_freq`` (local modules, no Transformer Engine), sliced to this pipeline
+    stage. RouterReplay registers every router in a process-global list in build
+    order, so the list is cleared first: a previous model's routers would otherwise
+    shift the index of every layer's replay tensor.
     """
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
     from megatron.core.transformer.moe.router_replay import RouterReplay
 
     RouterReplay.clear_global_router_replay_instances()
-    spec = get_gpt_layer_local_spec(
-        num_experts=model.num_experts,
-        moe_grouped_gemm=False,
-        qk_layernorm=True,
-        normalization="RMSNorm",
+    # get_gpt_decoder_layer_specs, then this stage's slice in TransformerBlockSubmodules.
+    block = get_gpt_decoder_block_spec(
+        config, use_transformer_engine=False, normalization="RMSNorm"
     )
+    if arch.qk_norm == "full":
+        block.layer_specs = [with_full_width_qk_norm(spec) for spec in block.layer_specs]
     torch.manual_seed(seed)
     gpt = GPTModel(
         config=config,
-        transformer_layer_spec=spec,
-        vocab_size=model.vocab_size,
-        max_sequence_length=model.max_position_embeddings,
+        transformer_layer_spec=block,
+        vocab_size=arch.vocab_size,
+        max_sequence_length=arch.max_position_embeddings,
         pre_process=True,
         post_process=True,
-        share_embeddings_and_output_weights=model.tie_word_embeddings,
+        share_embeddings_and_output_weights=arch.tie_word_embeddings,
         position_embedding_type="rope",
         rotary_percent=1.0,
-        rotary_base=model.rope_theta,  # a float is fine: only used in arithmetic
+        rotary_base=arch.rope_theta,  # a float is fine: only used in arithmetic
     )
     if not cpu_compat_needed():  # pragma: no cover - CUDA path, not exercised on CPU
         gpt = gpt.cuda()
     return gpt
+
+
+class FlatRMSNorm(torch.nn.RMSNorm):
+    """RMSNorm over a head-shaped tensor's last two axes (``[..., heads, head_dim]``)
+    as one ``heads * head_dim`` vector: OLMoE's q/k norm over the whole projection."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x.flatten(-2)).view_as(x)
+
+
+@functools.cache
+def full_width_qk_attention() -> type:
+    """``SelfAttention`` whose ``q_layernorm``/``k_layernorm`` span the whole q and k
+    projections (``heads * head_dim`` and ``kv_heads * head_dim`` wide).
+
+    Built lazily (megatron-core imports only after the CPU shim). Megatron's
+    ``get_query_key_value_tensors`` applies the two norms right after the projection
+    and the q/k/v split, to ``[s, b, heads, head_dim]`` and before RoPE, which is where
+    OLMoE applies its norms; ``FlatRMSNorm`` takes the statistic over the flattened
+    heads there, so the parent's method is used as it is. The parent is built without
+    norms (its would be ``head_dim`` wide) and gets these afterwards, under the same
+    names, so weight names and the optimizer's q/k-norm rules stay Megatron's.
+    """
+    from megatron.core.transformer.attention import SelfAttention
+
+    class FullWidthQKSelfAttention(SelfAttention):
+        def __init__(self, config: Any, submodules: Any, *args: Any, **kwargs: Any) -> None:
+            bare = dataclasses.replace(submodules, q_layernorm=None, k_layernorm=None)
+            super().__init__(config, bare, *args, **kwargs)
+            eps = config.layernorm_epsilon
+            heads = self.num_attention_heads_per_partition
+            groups = self.num_query_groups_per_partition
+            head_dim = self.hidden_size_per_attention_head
+            self.q_layernorm = FlatRMSNorm(heads * head_dim, eps=eps)
+            self.k_layernorm = FlatRMSNorm(groups * head_dim, eps=eps)
+
+    return FullWidthQKSelfAttention
+
+
+def with_full_width_qk_norm(layer_spec: Any) -> Any:
+    """``layer_spec`` (a TransformerLayer ModuleSpec) with its attention swapped for
+    ``full_width_qk_attention()``; the spec objects Megatron shares are not mutated."""
+    attention = layer_spec.submodules.self_attention
+    submodules = dataclasses.replace(
+        layer_spec.submodules,
+        self_attention=dataclasses.replace(attention, module=full_width_qk_attention()),
+    )
+    return dataclasses.replace(layer_spec, submodules=submodules)
 
 
 def causal_attention_mask(seq_len: int, *, device: torch.device | str = "cpu") -> torch.Tensor:

@@ -26,16 +26,43 @@ from skyrl_train.errors import RouteReplayError
 class LocalRouters:
     """This rank's routers in RouterReplay registration order.
 
-    ``layers[i]`` is the 0-based global layer number of router ``i``: dense-first models
-    report routes for every layer, but only MoE layers have a router to replay into.
+    A route tensor ``[B, S, L_moe, K]`` has one layer per MoE layer of the whole model
+    (dense layers have no router, and the engine captures none for them);
+    ``moe_layers`` names their 0-based decoder layers, ``layers[i]`` the decoder layer
+    of local router ``i`` and ``route_layers[i]`` its index on the route layer axis.
     """
 
     modules: tuple[Any, ...]
     layers: tuple[int, ...]
-    num_layers: int
+    moe_layers: tuple[int, ...]
     num_experts: int
     top_k: int
     replay_enabled: bool
+
+    @property
+    def num_layers(self) -> int:
+        """The route tensor's layer count: the model's MoE layers, every stage's."""
+        return len(self.moe_layers)
+
+    @property
+    def route_layers(self) -> tuple[int, ...]:
+        return tuple(self.moe_layers.index(layer) for layer in self.layers)
+
+    def describe_layer(self, route_layer: int) -> str:
+        """``layer 2`` when route and decoder layers coincide, else both numbers."""
+        decoder = self.moe_layers[route_layer]
+        if decoder == route_layer:
+            return f"layer {route_layer}"
+        return f"MoE layer {route_layer} (decoder layer {decoder})"
+
+
+def moe_layer_numbers(config: Any) -> tuple[int, ...]:
+    """0-based decoder layers with a router, from ``moe_layer_freq`` as Megatron reads
+    it (an int N: every N-th layer from 0; a list: 1 marks an MoE layer)."""
+    freq = config.moe_layer_freq
+    if isinstance(freq, int):
+        return tuple(i for i in range(config.num_layers) if i % freq == 0)
+    return tuple(i for i, flag in enumerate(freq) if flag)
 
 
 def local_routers(model: Any) -> LocalRouters:
@@ -48,6 +75,13 @@ def local_routers(model: Any) -> LocalRouters:
         if router is not None:
             found.append((router, layer.layer_number - 1))
     config = model.config
+    moe_layers = moe_layer_numbers(config)
+    stray = [n for _, n in found if n not in moe_layers]
+    if stray:
+        raise RouteReplayError(
+            f"moe_layer_freq: expected routers in decoder layers {list(moe_layers)}, "
+            f"got routers in layers {stray}"
+        )
     replay_enabled = bool(config.moe_enable_routing_replay)
     if replay_enabled:
         registry = RouterReplay.global_router_replay_instances
@@ -62,7 +96,7 @@ def local_routers(model: Any) -> LocalRouters:
     return LocalRouters(
         modules=tuple(r for r, _ in found),
         layers=tuple(n for _, n in found),
-        num_layers=int(config.num_layers),
+        moe_layers=moe_layers,
         num_experts=int(config.num_moe_experts),
         top_k=int(config.moe_router_topk),
         replay_enabled=replay_enabled,
@@ -83,6 +117,20 @@ def check_registry(routers: LocalRouters) -> None:
         )
 
 
+def check_route_shape(routes: torch.Tensor, routers: LocalRouters) -> None:
+    """Refuse a route tensor that is not ``[B, S, L_moe, K]`` for this model."""
+    if routes.dim() != 4:
+        raise RouteReplayError(
+            f"routed_experts: expected [B, S, L, K], got shape {tuple(routes.shape)}"
+        )
+    layers, top_k = routes.shape[2], routes.shape[3]
+    if layers != routers.num_layers or top_k != routers.top_k:
+        raise RouteReplayError(
+            f"routed_experts: expected {routers.num_layers} MoE layers x top-{routers.top_k} "
+            f"(the model's), got {layers} layers x top-{top_k}"
+        )
+
+
 def validate_routes(
     routes: torch.Tensor,
     routers: LocalRouters,
@@ -92,7 +140,7 @@ def validate_routes(
 ) -> None:
     """Refuse routes the routers cannot replay; the message names trajectory and layer.
 
-    ``routes`` is batch-first ``[B, S, L, K]`` with L the model's total layer count.
+    ``routes`` is batch-first ``[B, S, L_moe, K]``: one layer per MoE layer of the model.
     Checks: shape against the model; ids in ``[0, num_experts)``; K distinct ids per
     row; and no layer that is all zeros for every real token of a trajectory (an engine
     elsewhere captured zeros silently for a layer it never hooked).
@@ -102,16 +150,8 @@ def validate_routes(
     def who(b: int) -> str:
         return f"trajectory {names[b]!r} (batch row {b})" if names else f"batch row {b}"
 
-    if routes.dim() != 4:
-        raise RouteReplayError(
-            f"routed_experts: expected [B, S, L, K], got shape {tuple(routes.shape)}"
-        )
-    batch, seq, layers, top_k = routes.shape
-    if layers != routers.num_layers or top_k != routers.top_k:
-        raise RouteReplayError(
-            f"routed_experts: expected {routers.num_layers} layers x top-{routers.top_k} "
-            f"(the model's), got {layers} layers x top-{top_k}"
-        )
+    check_route_shape(routes, routers)
+    batch, seq, _layers, top_k = routes.shape
     if names is not None and len(names) != batch:
         raise RouteReplayError(f"trajectory_ids: expected {batch} ids, got {len(names)}")
     if routes.is_floating_point() or routes.dtype == torch.bool:
@@ -122,8 +162,9 @@ def validate_routes(
     bad = (ids < 0) | (ids >= routers.num_experts)
     if bad.any():
         b, s, layer, k = (int(x) for x in bad.nonzero()[0])
+        where = routers.describe_layer(layer)
         raise RouteReplayError(
-            f"{who(b)}, layer {layer}, token {s}: expected expert ids in "
+            f"{who(b)}, {where}, token {s}: expected expert ids in "
             f"[0, {routers.num_experts}), got {int(ids[b, s, layer, k])}"
         )
     real = (
@@ -134,22 +175,25 @@ def validate_routes(
     zero_layer = ((ids == 0).all(dim=3) | ~real[:, :, None]).all(dim=1) & real.any(dim=1)[:, None]
     if zero_layer.any():
         b, layer = (int(x) for x in zero_layer.nonzero()[0])
+        where = routers.describe_layer(layer)
         raise RouteReplayError(
-            f"{who(b)}, layer {layer}: expected recorded expert ids, got all zeros for "
+            f"{who(b)}, {where}: expected recorded expert ids, got all zeros for "
             f"every token (the engine did not capture this layer)"
         )
     ordered = ids.sort(dim=3).values
     repeated = (ordered[..., 1:] == ordered[..., :-1]).any(dim=3)
     if repeated.any():
         b, s, layer = (int(x) for x in repeated.nonzero()[0])
+        where = routers.describe_layer(layer)
         raise RouteReplayError(
-            f"{who(b)}, layer {layer}, token {s}: expected {top_k} distinct experts, got "
+            f"{who(b)}, {where}, token {s}: expected {top_k} distinct experts, got "
             f"{ids[b, s, layer].tolist()}"
         )
 
 
 def to_sequence_first(routes: torch.Tensor, routers: LocalRouters) -> list[torch.Tensor]:
-    """``[B, S, L, K]`` -> one ``[S*B, K]`` int64 tensor per local router (row s*B+b)."""
+    """``[B, S, L_moe, K]`` -> one ``[S*B, K]`` int64 tensor per local router (row s*B+b),
+    each taken from that router's own route layer."""
     batch, seq, _layers, top_k = routes.shape
     return [
         routes[:, :, layer, :]
@@ -157,7 +201,7 @@ def to_sequence_first(routes: torch.Tensor, routers: LocalRouters) -> list[torch
         .reshape(seq * batch, top_k)
         .to(torch.int64)
         .contiguous()
-        for layer in routers.layers
+        for layer in routers.route_layers
     ]
 
 
@@ -182,7 +226,8 @@ class ReplayHandle:
 
 @contextmanager
 def routing_replay(routers: LocalRouters, routes: torch.Tensor) -> Iterator[ReplayHandle]:
-    """Replay batch-first ``routes`` ``[B, S, L, K]`` (already validated) for one microbatch."""
+    """Replay batch-first ``routes`` ``[B, S, L_moe, K]`` (already validated) for one
+    microbatch."""
     from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
 
     if not routers.replay_enabled:
@@ -204,7 +249,8 @@ class RecordHandle:
         self._routers, self._batch, self._seq = routers, batch, seq
 
     def routes(self) -> torch.Tensor:
-        """The recorded top-k ``[B, S, L_local, K]`` (layers in ``routers.layers`` order)."""
+        """The recorded top-k ``[B, S, L_local_moe, K]`` (layers in ``routers.layers``
+        order: this rank's routers only)."""
         from megatron.core.transformer.moe.router_replay import RouterReplay
 
         recorded = RouterReplay.get_recorded_data()

@@ -19,10 +19,10 @@ from typing import Any
 
 import torch
 
-from inference.models.tiny_moe import TinyMoEConfig
+from inference.models.architecture import MoEArchitecture
 from skyrl_train.algorithms.mismatch import RouterAgreement, router_agreement
 from skyrl_train.dataset.batch import TrainingBatch
-from skyrl_train.errors import RouteReplayError
+from skyrl_train.errors import ConfigValidationError, RouteReplayError
 from skyrl_train.workers.megatron import convert, replay
 from skyrl_train.workers.megatron.cpu_compat import apply_cpu_compat
 from skyrl_train.workers.megatron.layout import (
@@ -60,7 +60,7 @@ class ForwardResult:
     logprobs: torch.Tensor
     """[B, R] fp32 response-token logprobs, 0 where response_mask is 0."""
     routes: torch.Tensor | None = None
-    """[B, S, L_local, K] experts each local router dispatched to (ascending ids), in
+    """[B, S, L_local_moe, K] experts each local router dispatched to (ascending ids), in
     the batch's own layout; only when ``capture_routes=True``. Padding rows are arange(K)."""
 
 
@@ -75,11 +75,12 @@ class TrainStepResult:
 
 
 class MegatronPolicyWorker:
-    """One rank's policy model. Build with the model and Megatron settings, then ``setup()``."""
+    """One rank's policy model. Build with the checkpoint's architecture and the Megatron
+    settings, then ``setup()``. Routes are ``[B, S, L_moe, K]``: MoE layers only."""
 
     def __init__(
         self,
-        model_config: TinyMoEConfig,
+        architecture: MoEArchitecture,
         megatron_config: Mapping[str, Any] | MegatronSettings,
         *,
         optimizer: OptimizerSettings | None = None,
@@ -87,7 +88,7 @@ class MegatronPolicyWorker:
         config_key: str = DEFAULT_KEY,
         pad_token_id: int = 0,
     ) -> None:
-        self.model_config = model_config
+        self.architecture = architecture
         self.settings = (
             megatron_config
             if isinstance(megatron_config, MegatronSettings)
@@ -106,11 +107,19 @@ class MegatronPolicyWorker:
         """Resolve the Megatron config (refusing VPP etc. with replay), initialise
         parallel state, build the model and the optimizer."""
         apply_cpu_compat()
-        config = build_transformer_config(self.model_config, self.settings)
+        config = build_transformer_config(self.architecture, self.settings)
         refuse_unsupported_on_cpu(self.settings)
         init_parallel_state(self.settings, seed=self.seed)
-        self.model = build_gpt_model(self.model_config, config, seed=self.seed)
+        self.model = build_gpt_model(self.architecture, config, seed=self.seed)
         self.routers = replay.local_routers(self.model)
+        if self.routers.moe_layers != self.architecture.moe_layers:
+            # The engine's routes cover the checkpoint's MoE layers; a passthrough
+            # moe_layer_freq that builds others would replay them into the wrong layers.
+            raise ConfigValidationError(
+                f"{self.settings.key}.transformer_config_kwargs.moe_layer_freq",
+                f"expected MoE layers {list(self.architecture.moe_layers)} (the "
+                f"checkpoint's), got {list(self.routers.moe_layers)}",
+            )
         opt = self.optimizer_settings
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(),
@@ -124,13 +133,14 @@ class MegatronPolicyWorker:
     # ---- weights ----------------------------------------------------------------
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
-        """Load HF Qwen3-MoE-named tensors (the engine's layout); returns how many."""
-        return convert.load_hf_weights(self._require_model(), named_tensors, self.model_config)
+        """Load HF-named tensors of the architecture's family (the engine's layout);
+        returns how many."""
+        return convert.load_hf_weights(self._require_model(), named_tensors, self.architecture)
 
     def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Stream the weights in the engine's layout, one tensor at a time. With EP > 1
         every rank of the expert-parallel group must consume it in lockstep."""
-        return convert.export_hf_weights(self._require_model(), self.model_config)
+        return convert.export_hf_weights(self._require_model(), self.architecture)
 
     # ---- forward ----------------------------------------------------------------
 
@@ -170,7 +180,7 @@ class MegatronPolicyWorker:
         self, batch: TrainingBatch, *, micro_batch_size: int | None = None
     ) -> torch.Tensor:
         """The trainer's own top-k (Megatron RECORD mode, router order) as
-        ``[B, S, L_local, K]`` in the batch layout; needs replay enabled on the model."""
+        ``[B, S, L_local_moe, K]`` in the batch layout; needs replay enabled on the model."""
         model, routers = self._require_model(), self._require_routers()
         out = []
         model.eval()
@@ -210,7 +220,9 @@ class MegatronPolicyWorker:
         token-layer count that weights it across ranks."""
         if batch.routed_experts is None:
             raise RouteReplayError("routed_experts: expected routes to compare against, got None")
-        reference = batch.routed_experts[:, :, list(self._require_routers().layers)]
+        routers = self._require_routers()
+        replay.check_route_shape(batch.routed_experts, routers)
+        reference = batch.routed_experts[:, :, list(routers.route_layers)]
         skip = ~batch.attention_mask.to(torch.bool)
         if batch.router_padding_mask is not None:
             skip = skip | batch.router_padding_mask.to(torch.bool)

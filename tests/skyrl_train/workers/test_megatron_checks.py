@@ -21,10 +21,11 @@ from skyrl_train.workers.megatron.worker import MegatronPolicyWorker
 
 KEY = "trainer.policy.megatron_config"
 CFG = TinyMoEConfig()
+ARCH = CFG.architecture()
 
 
 def _setup(values: dict) -> None:
-    MegatronPolicyWorker(CFG, values).setup()
+    MegatronPolicyWorker(ARCH, values).setup()
 
 
 def test_worker_refuses_vpp_with_replay_naming_the_key() -> None:
@@ -47,7 +48,7 @@ def test_worker_refuses_vpp_resolved_from_passthrough_kwargs() -> None:
 def test_ref_key_prefix_is_reported() -> None:
     with pytest.raises(ConfigValidationError, match=r"^trainer\.ref\.megatron_config\.virtual"):
         MegatronPolicyWorker(
-            CFG,
+            ARCH,
             {"moe_enable_routing_replay": True, "virtual_pipeline_model_parallel_size": 2},
             config_key="trainer.ref.megatron_config",
         ).setup()
@@ -64,6 +65,13 @@ def test_worker_refuses_replay_bypassing_router_settings(kwargs: dict, field: st
     with pytest.raises(ConfigValidationError) as err:
         _setup({"moe_enable_routing_replay": True, "transformer_config_kwargs": kwargs})
     assert err.value.key == f"{KEY}.transformer_config_kwargs.{field}"
+
+
+def test_worker_refuses_a_passthrough_moe_layer_pattern_unlike_the_checkpoints() -> None:
+    with pytest.raises(ConfigValidationError) as err:
+        _setup({"transformer_config_kwargs": {"moe_layer_freq": [0, 1, 1, 1]}})
+    assert err.value.key == f"{KEY}.transformer_config_kwargs.moe_layer_freq"
+    assert "expected MoE layers [0, 1, 2, 3] (the checkpoint's), got [1, 2, 3]" in str(err.value)
 
 
 def test_settings_refuse_unknown_and_bad_keys() -> None:
@@ -92,7 +100,12 @@ def test_cpu_path_refuses_tensor_and_pipeline_parallelism() -> None:
 # ---- route checks --------------------------------------------------------------
 
 ROUTERS = LocalRouters(
-    modules=(), layers=(0, 1, 2, 3), num_layers=4, num_experts=8, top_k=2, replay_enabled=True
+    modules=(),
+    layers=(0, 1, 2, 3),
+    moe_layers=(0, 1, 2, 3),
+    num_experts=8,
+    top_k=2,
+    replay_enabled=True,
 )
 
 
@@ -126,7 +139,12 @@ def test_route_row_with_repeated_expert_is_refused() -> None:
 
 def test_repeated_expert_is_found_wherever_it_sits_in_the_row() -> None:
     routers = LocalRouters(
-        modules=(), layers=(0, 1, 2, 3), num_layers=4, num_experts=8, top_k=3, replay_enabled=True
+        modules=(),
+        layers=(0, 1, 2, 3),
+        moe_layers=(0, 1, 2, 3),
+        num_experts=8,
+        top_k=3,
+        replay_enabled=True,
     )
     gen = torch.Generator().manual_seed(0)
     routes = torch.rand(2, 5, 4, 8, generator=gen).argsort(-1)[..., :3]
@@ -152,12 +170,30 @@ def test_layer_of_all_zeros_is_refused_padding_ignored() -> None:
     with pytest.raises(RouteReplayError, match=r"'t0' \(batch row 0\), layer 3: .*all zeros"):
         validate_routes(routes, ROUTERS, padding_mask=padding, trajectory_ids=["t0", "t1"])
     single = LocalRouters(
-        modules=(), layers=(0, 1, 2, 3), num_layers=4, num_experts=8, top_k=1, replay_enabled=True
+        modules=(),
+        layers=(0, 1, 2, 3),
+        moe_layers=(0, 1, 2, 3),
+        num_experts=8,
+        top_k=1,
+        replay_enabled=True,
     )
     ones = _routes()[..., :1]
     ones[1, :, 0] = 0  # top-1 rows of zeros are each valid; the whole layer is not
     with pytest.raises(RouteReplayError, match=r"batch row 1, layer 0: .*all zeros"):
         validate_routes(ones, single)
+
+
+def test_dense_first_models_take_moe_layers_only_and_name_both_numbers() -> None:
+    routers = LocalRouters(
+        modules=(), layers=(1, 2), moe_layers=(1, 2), num_experts=8, top_k=2, replay_enabled=True
+    )
+    assert routers.num_layers == 2 and routers.route_layers == (0, 1)
+    with pytest.raises(RouteReplayError, match=r"expected 2 MoE layers x top-2 .*got 4 layers"):
+        validate_routes(_routes(), routers)
+    routes = _routes()[:, :, :2].clone()
+    routes[0, 1, 0, 1] = 9
+    with pytest.raises(RouteReplayError, match=r"MoE layer 0 \(decoder layer 1\), token 1"):
+        validate_routes(routes, routers)
 
 
 def test_float_routes_are_refused() -> None:

@@ -11,6 +11,7 @@ from _megatron_batches import PAD_ID, hf_response_logprobs, make_batch, random_r
 from inference.models.tiny_moe import TinyMoEConfig, build_hf_model
 
 CFG = TinyMoEConfig()
+ARCH = CFG.architecture()
 L, E, K = CFG.num_layers, CFG.num_experts, CFG.top_k
 WORLD = 2
 
@@ -35,7 +36,7 @@ def _rank_main(rank: int, rendezvous: str) -> None:
         from skyrl_train.workers.megatron import MegatronPolicyWorker, shard_for_data_parallel_rank
 
         worker = MegatronPolicyWorker(
-            CFG,
+            ARCH,
             {"moe_enable_routing_replay": True, "expert_model_parallel_size": WORLD},
             pad_token_id=PAD_ID,
         ).setup()

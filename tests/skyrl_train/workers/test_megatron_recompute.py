@@ -12,6 +12,7 @@ from skyrl_train.errors import RouteReplayError
 from skyrl_train.workers.megatron import MegatronPolicyWorker, OptimizerSettings
 
 CFG = TinyMoEConfig()
+ARCH = CFG.architecture()
 L, E, K = CFG.num_layers, CFG.num_experts, CFG.top_k
 RECOMPUTE = {
     "recompute_granularity": "full",
@@ -22,7 +23,7 @@ RECOMPUTE = {
 
 def _grads(batch, kwargs: dict) -> tuple[MegatronPolicyWorker, dict[str, torch.Tensor]]:
     worker = MegatronPolicyWorker(
-        CFG,
+        ARCH,
         {"moe_enable_routing_replay": True, "transformer_config_kwargs": kwargs},
         optimizer=OptimizerSettings(lr=0.0, max_grad_norm=0.0),
         pad_token_id=PAD_ID,
