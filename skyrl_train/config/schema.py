@@ -22,9 +22,13 @@ from inference.models.tiny_moe import TinyMoEConfig
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """The tiny MoE architecture (``TinyMoEConfig``'s fields) plus how to initialise it.
+    """The model a run trains: a Hugging Face checkpoint folder (``path``), or the
+    built-in tiny Qwen3-MoE model described by the other keys.
 
-    Engine and trainer both build from ``tiny_moe()``, so their layouts cannot drift.
+    The architecture keys (``TinyMoEConfig``'s fields) describe only the built-in model;
+    with ``path`` set the architecture comes from its config.json and these keys must
+    stay at their defaults (``config.model_source``). Either way engine and trainer
+    load the same folder, so their layouts cannot drift.
     """
 
     vocab_size: int = 264
@@ -43,9 +47,13 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     initializer_range: float = 0.2
     seed: int = 0
-    """Seeds the random initial weights (engine and trainer start from the same ones)."""
+    """Seeds the built-in model's random weights (written once per config and seed)."""
     path: str | None = None
-    """Checkpoint folder to start from; None means random weights from ``seed``."""
+    """A checkpoint folder (config.json, *.safetensors, tokenizer files, optionally
+    generation_config.json) of a supported family; None means the built-in model."""
+    cache_dir: str | None = None
+    """Where the built-in model's folder is written; None: ``$SKYRL_R3_CACHE``, else
+    ``$XDG_CACHE_HOME/skyrl_r3``, else ``~/.cache/skyrl_r3``."""
 
     def tiny_moe(self) -> TinyMoEConfig:
         """The architecture alone; raises ``ValueError`` if it is inconsistent."""

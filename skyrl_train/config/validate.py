@@ -10,12 +10,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import skyrl_gym  # importing it registers the built-in environments
+from inference.models.architecture import MoEArchitecture
+from skyrl_train.config.model_source import model_architecture
 from skyrl_train.config.schema import MegatronConfig, ModelConfig, PPOConfig, SamplingParamsConfig
 from skyrl_train.errors import ConfigValidationError
 
@@ -49,12 +50,12 @@ def validate_cfg(cfg: PPOConfig | Mapping[str, Any]) -> None:
 
         cfg = parse_config(cfg)
     _check_routing_replay(cfg)
-    _check_model(cfg.model)
-    _check_generator(cfg)
+    arch = _check_model(cfg.model)
+    _check_generator(cfg, arch)
     _check_trainer(cfg)
-    _check_megatron(cfg, cfg.trainer.policy.megatron_config, "trainer.policy.megatron_config")
+    _check_megatron(cfg, arch, cfg.trainer.policy.megatron_config, "trainer.policy.megatron_config")
     if cfg.trainer.algorithm.use_kl_loss:
-        _check_megatron(cfg, cfg.trainer.ref.megatron_config, "trainer.ref.megatron_config")
+        _check_megatron(cfg, arch, cfg.trainer.ref.megatron_config, "trainer.ref.megatron_config")
     _check_batch_sizes(cfg)
     if cfg.ray.num_cpus is not None:
         _at_least(cfg.ray.num_cpus, 1, "ray.num_cpus")
@@ -135,24 +136,18 @@ def _check_routing_replay(cfg: PPOConfig) -> None:
         )
 
 
-def _check_model(model: ModelConfig) -> None:
-    try:
-        model.tiny_moe()
-    except ValueError as exc:
-        # TinyMoEConfig owns these checks; its messages start "TinyMoEConfig.<field>:".
-        match = re.match(r"TinyMoEConfig\.(\w+): (.*)", str(exc), re.S)
-        key, reason = ("model." + match.group(1), match.group(2)) if match else ("model", str(exc))
-        raise ConfigValidationError(key, reason) from exc
-    _finite(model.rope_theta, "model.rope_theta", low=0.0, strict=True)
-    _finite(model.rms_norm_eps, "model.rms_norm_eps", low=0.0, strict=True)
-    _finite(model.initializer_range, "model.initializer_range", low=0.0, strict=True)
-    if model.path is not None and not Path(model.path).is_dir():
-        raise ConfigValidationError(
-            "model.path", f"expected an existing folder, got {model.path!r}"
-        )
+def _check_model(model: ModelConfig) -> MoEArchitecture:
+    """The architecture the run trains: ``model.path``'s config.json (inspected now,
+    tokenizer and EOS included) or the built-in model's keys."""
+    arch = model_architecture(model)
+    if model.path is None:
+        _finite(model.rope_theta, "model.rope_theta", low=0.0, strict=True)
+        _finite(model.rms_norm_eps, "model.rms_norm_eps", low=0.0, strict=True)
+        _finite(model.initializer_range, "model.initializer_range", low=0.0, strict=True)
+    return arch
 
 
-def _check_generator(cfg: PPOConfig) -> None:
+def _check_generator(cfg: PPOConfig, arch: MoEArchitecture) -> None:
     gen = cfg.generator
     _at_least(gen.n_samples_per_prompt, 1, "generator.n_samples_per_prompt")
     if cfg.trainer.algorithm.advantage_estimator == "grpo" and gen.n_samples_per_prompt < 2:
@@ -164,10 +159,10 @@ def _check_generator(cfg: PPOConfig) -> None:
     _at_least(gen.max_turns, 1, "generator.max_turns")
     _at_least(gen.max_tokens_per_turn, 1, "generator.max_tokens_per_turn")
     _at_least(gen.max_trajectory_tokens, gen.max_tokens_per_turn, "generator.max_trajectory_tokens")
-    if gen.max_trajectory_tokens > cfg.model.max_position_embeddings:
+    if gen.max_trajectory_tokens > arch.max_position_embeddings:
         raise ConfigValidationError(
             "generator.max_trajectory_tokens",
-            f"expected <= model.max_position_embeddings ({cfg.model.max_position_embeddings}), "
+            f"expected <= the model's max_position_embeddings ({arch.max_position_embeddings}), "
             f"got {gen.max_trajectory_tokens}",
         )
     _at_least(gen.max_concurrent_trajectories, 1, "generator.max_concurrent_trajectories")
@@ -287,7 +282,7 @@ def _check_trainer(cfg: PPOConfig) -> None:
     _finite(alg.kl_loss_coef, f"{a}.kl_loss_coef", low=0.0)
 
 
-def _check_megatron(cfg: PPOConfig, mc: MegatronConfig, prefix: str) -> None:
+def _check_megatron(cfg: PPOConfig, arch: MoEArchitecture, mc: MegatronConfig, prefix: str) -> None:
     for name in (
         "tensor_model_parallel_size",
         "pipeline_model_parallel_size",
@@ -304,7 +299,7 @@ def _check_megatron(cfg: PPOConfig, mc: MegatronConfig, prefix: str) -> None:
         mc.expert_model_parallel_size,
     )
     etp = mc.expert_tensor_parallel_size or tp
-    world, model = cfg.trainer.placement.num_trainers, cfg.model
+    world = cfg.trainer.placement.num_trainers
     if world % (tp * pp * cp):
         raise ConfigValidationError(
             "trainer.placement.num_trainers",
@@ -317,15 +312,15 @@ def _check_megatron(cfg: PPOConfig, mc: MegatronConfig, prefix: str) -> None:
             f"expected expert_tensor x expert x pipeline parallel sizes ({etp}x{ep}x{pp}) to "
             f"divide trainer.placement.num_trainers ({world}), got expert size {ep}",
         )
-    _divides(ep, model.num_experts, f"{prefix}.expert_model_parallel_size", "model.num_experts")
+    _divides(ep, arch.num_experts, f"{prefix}.expert_model_parallel_size", "the expert count")
     _divides(
         tp,
-        model.num_attention_heads,
+        arch.num_attention_heads,
         f"{prefix}.tensor_model_parallel_size",
-        "model.num_attention_heads",
+        "the attention head count",
     )
-    _divides(tp, model.num_kv_heads, f"{prefix}.tensor_model_parallel_size", "model.num_kv_heads")
-    _divides(pp, model.num_layers, f"{prefix}.pipeline_model_parallel_size", "model.num_layers")
+    _divides(tp, arch.num_kv_heads, f"{prefix}.tensor_model_parallel_size", "the KV head count")
+    _divides(pp, arch.num_layers, f"{prefix}.pipeline_model_parallel_size", "the layer count")
     vpp = mc.virtual_pipeline_model_parallel_size
     if vpp is not None:
         key = f"{prefix}.virtual_pipeline_model_parallel_size"
@@ -335,7 +330,7 @@ def _check_megatron(cfg: PPOConfig, mc: MegatronConfig, prefix: str) -> None:
                 key,
                 f"expected null unless pipeline_model_parallel_size >= 2 (it is {pp}), got {vpp}",
             )
-        _divides(pp * vpp, model.num_layers, key, "model.num_layers")
+        _divides(pp * vpp, arch.num_layers, key, "the layer count")
     _check_transformer_kwargs(mc.transformer_config_kwargs, f"{prefix}.transformer_config_kwargs")
 
 
@@ -350,7 +345,8 @@ def _check_transformer_kwargs(kwargs: Mapping[str, Any], prefix: str) -> None:
         if name in _MODEL_OWNED:
             raise ConfigValidationError(
                 f"{prefix}.{name}",
-                f"the architecture comes from model.{_MODEL_OWNED[name]} so the inference "
+                f"the architecture comes from the checkpoint (model.path's config.json, or "
+                f"model.{_MODEL_OWNED[name]} for the built-in model) so the inference "
                 f"engine and the trainer agree; remove it here",
             )
         fields = _transformer_config_fields()  # imported only when kwargs are given

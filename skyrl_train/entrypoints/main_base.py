@@ -55,10 +55,11 @@ class Job:
 @contextlib.contextmanager
 def launch(cfg: PPOConfig) -> Iterator[Job]:
     """Start (or join) Ray and place every actor; on exit stop and remove them all."""
-    from inference.models.tokenizer import EOS_TOKEN_ID, load_tokenizer, save_byte_tokenizer
+    from inference.models.checkpoint import inspect_checkpoint, load_checkpoint_tokenizer
     from inference.server.actor import create_server_actor
     from inference.server.app import ServerConfig
     from inference.server.launch import EngineSpec
+    from skyrl_train.config.model_source import model_checkpoint
     from skyrl_train.trainer.checkpoint import verify_resume
     from skyrl_train.trainer.loop import GRPOLoop
     from skyrl_train.trainer.policy_group import PolicyGroup
@@ -70,7 +71,11 @@ def launch(cfg: PPOConfig) -> Iterator[Job]:
     verify_resume(cfg)
     run_dir = Path(cfg.trainer.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    tokenizer = load_tokenizer(save_byte_tokenizer(run_dir / "tokenizer"))
+    # model.path, or the built-in model written once as a folder: from here on every
+    # run loads a checkpoint folder the same way (engines, trainers, tokenizer).
+    checkpoint = model_checkpoint(cfg.model)
+    info = inspect_checkpoint(checkpoint)
+    tokenizer = load_checkpoint_tokenizer(checkpoint)
     # One bearer token per run, handed to servers and clients as Ray call arguments:
     # never on a command line (ps shows those) and never printed.
     api_key = secrets.token_urlsafe(32)
@@ -84,9 +89,7 @@ def launch(cfg: PPOConfig) -> Iterator[Job]:
     try:
         engine = cfg.generator.inference_engine
         spec = EngineSpec(
-            tiny_moe={} if cfg.model.path else cfg.model.tiny_moe().to_dict(),
-            checkpoint=cfg.model.path,
-            seed=cfg.model.seed,
+            checkpoint=str(checkpoint),
             dtype=engine.dtype,
             model_name=engine.model_name,
             max_batch_size=engine.max_batch_size,
@@ -102,14 +105,14 @@ def launch(cfg: PPOConfig) -> Iterator[Job]:
             )
             servers.append(handle)
             urls.append(url)
-        policy = PolicyGroup.place(cfg, pad_token_id=EOS_TOKEN_ID)
+        policy = PolicyGroup.place(cfg, checkpoint=str(checkpoint), pad_token_id=info.pad_token_id)
         policy.setup()
         loop = GRPOLoop(
             cfg,
             tokenizer=tokenizer,
             server_urls=urls,
             policy=policy,
-            pad_token_id=EOS_TOKEN_ID,
+            pad_token_id=info.pad_token_id,
             api_key=api_key,
         )
         yield Job(cfg=cfg, server_urls=urls, policy=policy, loop=loop, api_key=api_key)

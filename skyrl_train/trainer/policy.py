@@ -18,7 +18,7 @@ import os
 import random
 import socket
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from inference.models.tiny_moe import build_hf_model
+from inference.models.checkpoint import inspect_checkpoint
 from skyrl_train.algorithms import logprob_mismatch, ppo_policy_loss
 from skyrl_train.config.schema import PPOConfig
 from skyrl_train.dataset.batch import TrainingBatch
@@ -40,14 +40,19 @@ from skyrl_train.workers.megatron.layout import slice_batch
 from skyrl_train.workers.megatron.worker import MegatronPolicyWorker, OptimizerSettings
 
 
-def initial_engine_weights(cfg: PPOConfig) -> dict[str, torch.Tensor]:
-    """The fp32 starting weights in the engine's layout: a saved model or ``model.seed``."""
-    if cfg.model.path:
-        from inference.engine.hf_engine import HFMoEEngine
+def checkpoint_weights(folder: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """A checkpoint's fp32 weights in the engine's layout, one tensor at a time.
 
-        return HFMoEEngine.from_pretrained(cfg.model.path, dtype=torch.float32).state_dict()
-    model = build_hf_model(cfg.model.tiny_moe(), seed=cfg.model.seed)
-    return {name: t.detach() for name, t in model.state_dict().items()}
+    Read through transformers, so the names are the live modules' whatever the files
+    on disk spell (transformers 5 renames some families' legacy tensor names on load).
+    """
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        str(folder), dtype=torch.float32, local_files_only=True
+    )
+    for name, param in model.named_parameters():
+        yield name, param.detach()
 
 
 @dataclass(frozen=True)
@@ -69,9 +74,13 @@ class PolicyTrainer:
     on its own node (``rendezvous``).
     """
 
-    def __init__(self, cfg: PPOConfig, *, pad_token_id: int, num_threads: int = 1) -> None:
+    def __init__(
+        self, cfg: PPOConfig, *, checkpoint: str, pad_token_id: int, num_threads: int = 1
+    ) -> None:
         torch.set_num_threads(num_threads)
         self.cfg = cfg
+        self.checkpoint = checkpoint
+        """The model folder the run trains (``config.model_source.model_checkpoint``)."""
         self.pad_token_id = pad_token_id
         self.worker: MegatronPolicyWorker
         self.info = RankInfo(rank=0, world_size=1, dp_rank=0, dp_size=1, ep_size=1)
@@ -114,7 +123,7 @@ class PolicyTrainer:
             init_distributed(rank=rank, world_size=world_size, init_method=init_method)
         cfg, opt = self.cfg, self.cfg.trainer.policy.optimizer_config
         self.worker = MegatronPolicyWorker(
-            cfg.model.tiny_moe(),
+            inspect_checkpoint(self.checkpoint).architecture,
             megatron_settings_of(cfg.trainer.policy.megatron_config),
             optimizer=OptimizerSettings(
                 lr=opt.lr,
@@ -125,7 +134,7 @@ class PolicyTrainer:
             seed=cfg.trainer.seed,
             pad_token_id=self.pad_token_id,
         ).setup()
-        self.worker.load_weights(initial_engine_weights(cfg).items())
+        self.worker.load_weights(checkpoint_weights(self.checkpoint))
         self.info = RankInfo(
             rank=rank,
             world_size=world_size,

@@ -44,14 +44,16 @@ class PolicyGroup:
         """Rows each rank reported training on in the last ``train`` call (by rank)."""
 
     @classmethod
-    def place(cls, cfg: PPOConfig, *, pad_token_id: int) -> PolicyGroup:
-        """One actor per trainer rank, ``cpus_per_trainer`` CPUs each (not built yet)."""
+    def place(cls, cfg: PPOConfig, *, checkpoint: str, pad_token_id: int) -> PolicyGroup:
+        """One actor per trainer rank, ``cpus_per_trainer`` CPUs each (not built yet),
+        each to load the model folder ``checkpoint``."""
         import ray
 
         placement = cfg.trainer.placement
         remote = ray.remote(PolicyTrainer).options(num_cpus=placement.cpus_per_trainer)
         actors = [
-            remote.remote(cfg, pad_token_id=pad_token_id) for _ in range(placement.num_trainers)
+            remote.remote(cfg, checkpoint=checkpoint, pad_token_id=pad_token_id)
+            for _ in range(placement.num_trainers)
         ]
         return cls(cfg, actors)
 

@@ -63,7 +63,7 @@ def test_yaml_defaults_equal_dataclass_defaults() -> None:
 def test_model_section_mirrors_tiny_moe_config() -> None:
     model_fields = {f.name for f in dataclasses.fields(ModelConfig)}
     arch_fields = {f.name for f in dataclasses.fields(TinyMoEConfig)}
-    assert model_fields == arch_fields | {"seed", "path"}
+    assert model_fields == arch_fields | {"seed", "path", "cache_dir"}
     assert ModelConfig().tiny_moe() == TinyMoEConfig()
     assert load_config(["model.num_layers=2"]).model.tiny_moe().num_layers == 2
 

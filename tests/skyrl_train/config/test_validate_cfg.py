@@ -160,13 +160,13 @@ def test_transformer_kwargs_cannot_override_owned_keys(name: str, where: str) ->
         (["trainer.placement.num_trainers=3", "trainer.policy_mini_batch_size=2", "trainer.train_batch_size=2"], "trainer.policy_mini_batch_size", "data-parallel size (3)"),
         ([f"{POLICY}.tensor_model_parallel_size=2"], "trainer.placement.num_trainers", "= 2), got 1"),
         ([f"{POLICY}.expert_model_parallel_size=2"], f"{POLICY}.expert_model_parallel_size", "divide trainer.placement.num_trainers"),
-        (["trainer.placement.num_trainers=3", f"{POLICY}.expert_model_parallel_size=3", "trainer.train_batch_size=3", "trainer.policy_mini_batch_size=3", "trainer.micro_train_batch_size_per_gpu=1"], f"{POLICY}.expert_model_parallel_size", "model.num_experts (8)"),
-        (["trainer.placement.num_trainers=4", f"{POLICY}.tensor_model_parallel_size=4"], f"{POLICY}.tensor_model_parallel_size", "model.num_kv_heads (2)"),
-        (["trainer.placement.num_trainers=3", f"{POLICY}.pipeline_model_parallel_size=3"], f"{POLICY}.pipeline_model_parallel_size", "model.num_layers (4)"),
+        (["trainer.placement.num_trainers=3", f"{POLICY}.expert_model_parallel_size=3", "trainer.train_batch_size=3", "trainer.policy_mini_batch_size=3", "trainer.micro_train_batch_size_per_gpu=1"], f"{POLICY}.expert_model_parallel_size", "expert count (8)"),
+        (["trainer.placement.num_trainers=4", f"{POLICY}.tensor_model_parallel_size=4"], f"{POLICY}.tensor_model_parallel_size", "KV head count (2)"),
+        (["trainer.placement.num_trainers=3", f"{POLICY}.pipeline_model_parallel_size=3"], f"{POLICY}.pipeline_model_parallel_size", "layer count (4)"),
         (["trainer.placement.num_trainers=0"], "trainer.placement.num_trainers", ">= 1"),
         ([f"{POLICY}.moe_enable_routing_replay=false", f"{POLICY}.virtual_pipeline_model_parallel_size=2"], f"{POLICY}.virtual_pipeline_model_parallel_size", "pipeline_model_parallel_size >= 2"),
         (["generator.n_samples_per_prompt=1"], "generator.n_samples_per_prompt", "no baseline"),
-        (["generator.max_trajectory_tokens=4096"], "generator.max_trajectory_tokens", "model.max_position_embeddings"),
+        (["generator.max_trajectory_tokens=4096"], "generator.max_trajectory_tokens", "max_position_embeddings (2048)"),
         (["generator.max_trajectory_tokens=3"], "generator.max_trajectory_tokens", ">= 4"),
         (["generator.sampling_params.top_p=0"], "generator.sampling_params.top_p", "0 < top_p"),
         (["generator.eval_sampling_params.top_k=0"], "generator.eval_sampling_params.top_k", "-1 (no cut)"),
@@ -185,7 +185,7 @@ def test_transformer_kwargs_cannot_override_owned_keys(name: str, where: str) ->
         (["trainer.eval_interval=-1"], "trainer.eval_interval", ">= 0"),
         (["model.top_k=9"], "model.top_k", "num_experts"),
         (["model.num_kv_heads=3"], "model.num_kv_heads", "divisor"),
-        (["model.path=/nonexistent/ckpt"], "model.path", "existing folder"),
+        (["model.path=/nonexistent/ckpt"], "model.path", "existing checkpoint folder"),
         (["trainer.resume_from=/nonexistent/ckpt"], "trainer.resume_from", "existing checkpoint folder"),
         (["ray.num_cpus=0"], "ray.num_cpus", ">= 1"),
     ],
@@ -203,7 +203,6 @@ def test_parallel_layouts_that_fit_are_valid(tmp_path: Path) -> None:
                 "trainer.placement.num_trainers=2",
                 f"{POLICY}.expert_model_parallel_size=2",  # EP=2 on 2 ranks, as measured
                 "trainer.micro_train_batch_size_per_gpu=4",
-                f"model.path={tmp_path}",
             ]
         )
     )

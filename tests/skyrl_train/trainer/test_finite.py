@@ -66,7 +66,7 @@ def _cfg(tmp_path: Path) -> Any:
 
 
 def _trainer(tmp_path: Path, poison: str | None) -> PolicyTrainer:
-    trainer = PolicyTrainer(_cfg(tmp_path), pad_token_id=0)
+    trainer = PolicyTrainer(_cfg(tmp_path), checkpoint=str(tmp_path), pad_token_id=0)
     trainer.worker = NaNWorker(poison)  # type: ignore[assignment]
     return trainer
 
