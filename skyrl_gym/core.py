@@ -38,6 +38,9 @@ class Task:
     prompt: list[Message]
     env_name: str
     env_extras: dict[str, Any]
+    data_source: str = ""
+    """Where the row came from (a dataset row's ``data_source``; generated rows: the
+    environment's name); metrics are also reported per source."""
 
 
 def action_text(action: str | bytes) -> str:

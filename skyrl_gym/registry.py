@@ -16,6 +16,31 @@ EnvFactory = Callable[..., Any]
 """An ``Env`` subclass, or any callable returning an object with ``init`` and ``step``."""
 
 _REGISTRY: dict[str, EnvFactory | str] = {}
+ENTRY_POINT_GROUP = "skyrl_gym.envs"
+"""Installed packages register environments here (``name = "module:attribute"`` under
+``[project.entry-points."skyrl_gym.envs"]``); ``register()`` calls win over them."""
+_entry_points_loaded = False
+
+
+def _load_entry_points() -> None:
+    """Adds the ``skyrl_gym.envs`` entry points once, as ``module:attribute`` strings:
+    nothing is imported until ``make`` builds one, so a broken plugin fails only when
+    asked for, with its name."""
+    global _entry_points_loaded
+    if _entry_points_loaded:
+        return
+    _entry_points_loaded = True
+    from importlib.metadata import entry_points
+
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        _REGISTRY.setdefault(ep.name, ep.value)
+
+
+def reload_entry_points() -> None:
+    """Reads the entry points again (after installing a plugin in a running process)."""
+    global _entry_points_loaded
+    _entry_points_loaded = False
+    _load_entry_points()
 
 
 def register(id: str, entry_point: EnvFactory | str) -> None:  # noqa: A002 - gym's name
@@ -51,11 +76,13 @@ def unregister(name: str) -> None:
 
 
 def registered() -> list[str]:
-    """Registered environment names, sorted."""
+    """Registered environment names (entry points included), sorted."""
+    _load_entry_points()
     return sorted(_REGISTRY)
 
 
 def _factory(name: str) -> EnvFactory:
+    _load_entry_points()
     try:
         entry = _REGISTRY[name]
     except KeyError:
@@ -108,5 +135,5 @@ def make_dataset(name: str, *, num_prompts: int, seed: int, **task_kwargs: Any) 
     tasks = []
     for _ in range(num_prompts):
         prompt, extras = sample(rng, **task_kwargs)
-        tasks.append(Task(prompt=prompt, env_name=name, env_extras=extras))
+        tasks.append(Task(prompt=prompt, env_name=name, env_extras=extras, data_source=name))
     return tasks
