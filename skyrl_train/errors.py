@@ -3,6 +3,7 @@ reports bad data or bad configuration, which retrying cannot fix.
 
     ValueError
       ConfigValidationError   a config key is inconsistent or unsupported (names the key)
+        DatasetError          a dataset file or row is unusable (names key, file, row, field)
       CheckpointError         a checkpoint file is missing, extra, damaged or unreadable
                               (names the config key and the file)
       NonFiniteError          the loss, grad norm or a weight went NaN/inf (names the
@@ -24,6 +25,30 @@ class ConfigValidationError(ValueError):
         self.key = key
         self.reason = reason
         super().__init__(f"{key}: {reason}")
+
+
+class DatasetError(ConfigValidationError):
+    """A ``data.train_data``/``data.val_data`` file or one of its rows is unusable.
+
+    ``key`` is the config entry (``data.train_data[0]``), ``path`` the file, ``row``
+    the 0-based row (None for the whole file) and ``field`` the row's key (None when
+    the row itself is bad); the message reads ``key: path row N: field: reason``.
+    """
+
+    def __init__(
+        self,
+        key: str,
+        path: str | Path,
+        *,
+        row: int | None,
+        field: str | None,
+        reason: str,
+    ) -> None:
+        self.path = Path(path)
+        self.row = row
+        self.field = field
+        where = str(path) + (f" row {row}" if row is not None else "")
+        super().__init__(key, f"{where}: {field + ': ' if field else ''}{reason}")
 
 
 class CheckpointError(ValueError):

@@ -14,7 +14,8 @@ from skyrl_train.config.loader import (
 )
 from skyrl_train.config.schema import (
     AlgorithmConfig,
-    EnvConfig,
+    DataConfig,
+    EnvironmentConfig,
     GeneratorConfig,
     InferenceEngineConfig,
     LoggingConfig,
@@ -36,7 +37,8 @@ __all__ = [
     "CONFIG_DIR",
     "CONFIG_NAME",
     "AlgorithmConfig",
-    "EnvConfig",
+    "DataConfig",
+    "EnvironmentConfig",
     "GeneratorConfig",
     "InferenceEngineConfig",
     "LoggingConfig",

@@ -138,6 +138,10 @@ def _convert(tp: Any, value: Any, key: str) -> Any:
         return tuple(
             _convert(a, v, f"{key}[{i}]") for i, (a, v) in enumerate(zip(args, value, strict=True))
         )
+    if origin is list:
+        if not isinstance(value, (list, tuple)):
+            raise ConfigValidationError(key, f"expected a list, got {_show(value)}")
+        return [_convert(args[0], v, f"{key}[{i}]") for i, v in enumerate(value)]
     if origin is dict:
         if not isinstance(value, Mapping) or not all(isinstance(k, str) for k in value):
             raise ConfigValidationError(

@@ -52,6 +52,8 @@ def validate_cfg(cfg: PPOConfig | Mapping[str, Any]) -> None:
     _check_routing_replay(cfg)
     arch = _check_model(cfg.model)
     _check_generator(cfg, arch)
+    _check_environment(cfg)
+    _check_data(cfg)
     _check_trainer(cfg)
     _check_megatron(cfg, arch, cfg.trainer.policy.megatron_config, "trainer.policy.megatron_config")
     if cfg.trainer.algorithm.use_kl_loss:
@@ -147,6 +149,41 @@ def _check_model(model: ModelConfig) -> MoEArchitecture:
     return arch
 
 
+def _check_environment(cfg: PPOConfig) -> None:
+    env = cfg.environment
+    if not env.env_class:
+        raise ConfigValidationError("environment.env_class", "expected an environment name, got ''")
+    if env.env_class not in skyrl_gym.registered():
+        raise ConfigValidationError(
+            "environment.env_class",
+            f"expected a registered environment {skyrl_gym.registered()}, got {env.env_class!r}",
+        )
+    if cfg.data.train_data:
+        return  # rows are checked, and their environments built, when the files load
+    # Build one environment the way the generator will, so a kwarg the environment does
+    # not take fails here, before Ray and the model start, not at the first rollout.
+    try:
+        (task,) = skyrl_gym.make_dataset(env.env_class, num_prompts=1, seed=0)
+        built = skyrl_gym.make(env.env_class, **{**task.env_extras, **env.kwargs})
+        getattr(built, "close", lambda: None)()
+    except skyrl_gym.EnvError as exc:
+        raise ConfigValidationError("environment.kwargs", str(exc)) from exc
+
+
+def _check_data(cfg: PPOConfig) -> None:
+    from skyrl_train.dataset.prompts import DATA_SUFFIXES
+
+    for name in ("train_data", "val_data"):
+        for i, path in enumerate(getattr(cfg.data, name)):
+            key = f"data.{name}[{i}]"
+            if not Path(path).is_file():
+                raise ConfigValidationError(key, f"expected an existing file, got {path!r}")
+            if not path.endswith(DATA_SUFFIXES):
+                raise ConfigValidationError(
+                    key, f"expected a file ending in one of {list(DATA_SUFFIXES)}, got {path!r}"
+                )
+
+
 def _check_generator(cfg: PPOConfig, arch: MoEArchitecture) -> None:
     gen = cfg.generator
     _at_least(gen.n_samples_per_prompt, 1, "generator.n_samples_per_prompt")
@@ -168,21 +205,6 @@ def _check_generator(cfg: PPOConfig, arch: MoEArchitecture) -> None:
     _at_least(gen.max_concurrent_trajectories, 1, "generator.max_concurrent_trajectories")
     _check_sampling(gen.sampling_params, "generator.sampling_params")
     _check_sampling(gen.eval_sampling_params, "generator.eval_sampling_params")
-    if not gen.env.name:
-        raise ConfigValidationError("generator.env.name", "expected an environment name, got ''")
-    if gen.env.name not in skyrl_gym.registered():
-        raise ConfigValidationError(
-            "generator.env.name",
-            f"expected a registered environment {skyrl_gym.registered()}, got {gen.env.name!r}",
-        )
-    # Build one environment the way the generator will, so a kwarg the environment does
-    # not take fails here, before Ray and the model start, not at the first rollout.
-    (task,) = skyrl_gym.make_dataset(gen.env.name, num_prompts=1, seed=0)
-    try:
-        env = skyrl_gym.make(gen.env.name, **{**task.env_extras, **gen.env.kwargs})
-        getattr(env, "close", lambda: None)()
-    except skyrl_gym.EnvError as exc:
-        raise ConfigValidationError("generator.env.kwargs", str(exc)) from exc
     eng = gen.inference_engine
     _at_least(eng.num_engines, 1, "generator.inference_engine.num_engines")
     if not eng.host:

@@ -60,12 +60,16 @@ def launch(cfg: PPOConfig) -> Iterator[Job]:
     from inference.server.app import ServerConfig
     from inference.server.launch import EngineSpec
     from skyrl_train.config.model_source import model_checkpoint
+    from skyrl_train.dataset.prompts import load_datasets
     from skyrl_train.trainer.checkpoint import verify_resume
     from skyrl_train.trainer.loop import GRPOLoop
     from skyrl_train.trainer.policy_group import PolicyGroup
     from skyrl_train.utils.ray_session import start_ray
 
     validate_cfg(cfg)
+    # Every dataset row is checked (and its environment built once) now: a bad row
+    # fails naming file, row and key before Ray or any model starts.
+    datasets = load_datasets(cfg)
     # Hash trainer.resume_from against its manifest now: a damaged checkpoint fails in
     # seconds naming the file, not after Ray and every actor have started.
     verify_resume(cfg)
@@ -114,6 +118,7 @@ def launch(cfg: PPOConfig) -> Iterator[Job]:
             policy=policy,
             pad_token_id=info.pad_token_id,
             api_key=api_key,
+            datasets=datasets,
         )
         yield Job(cfg=cfg, server_urls=urls, policy=policy, loop=loop, api_key=api_key)
     finally:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-import random
 import shutil
 import time
 from pathlib import Path
@@ -29,6 +28,7 @@ import skyrl_gym
 from skyrl_train.algorithms import compute_grpo_advantages, contiguous_groups
 from skyrl_train.config.schema import PPOConfig
 from skyrl_train.dataset.preprocess import convert_to_training_batch
+from skyrl_train.dataset.prompts import PromptDatasets, load_datasets, sample_step
 from skyrl_train.generators.base import GeneratorInput, GeneratorOutput
 from skyrl_train.generators.gym_generator import GymGenerator, GymGeneratorConfig
 from skyrl_train.trainer.checkpoint import (
@@ -41,9 +41,6 @@ from skyrl_train.trainer.checkpoint import (
 from skyrl_train.utils.durable import write_file
 from skyrl_train.utils.tracking import MetricsTracker, format_metrics_line
 
-EVAL_SEED_OFFSET = 1_000_003
-"""Held-out prompts come from a dataset seed training never draws from."""
-DATASET_SIZE = 4096
 LINE_KEYS = (
     ("reward/mean", "reward"),
     ("eval/reward_mean", "eval_reward"),
@@ -75,7 +72,10 @@ class GRPOLoop:
         policy: Any,
         pad_token_id: int,
         api_key: str | None = None,
+        datasets: PromptDatasets | None = None,
     ) -> None:
+        """``datasets``: prompts loaded (and checked) by the launch before Ray started;
+        None loads them here (``load_datasets``)."""
         self.cfg = cfg
         self.tokenizer = tokenizer
         self.server_urls = server_urls
@@ -83,15 +83,7 @@ class GRPOLoop:
         self.pad_token_id = pad_token_id
         self.api_key = api_key
         self.run_dir = Path(cfg.trainer.run_dir)
-        env = cfg.generator.env
-        self.train_tasks = skyrl_gym.make_dataset(
-            env.name, num_prompts=DATASET_SIZE, seed=cfg.trainer.seed
-        )
-        self.eval_tasks = skyrl_gym.make_dataset(
-            env.name,
-            num_prompts=cfg.trainer.eval_batch_size,
-            seed=cfg.trainer.seed + EVAL_SEED_OFFSET,
-        )
+        self.datasets = datasets if datasets is not None else load_datasets(cfg)
         g = cfg.generator
         self.gen_config = GymGeneratorConfig(
             max_turns=g.max_turns,
@@ -154,8 +146,12 @@ class GRPOLoop:
     async def train_step(self, step: int, clients: list[Any]) -> dict[str, float]:
         cfg = self.cfg
         n = cfg.generator.n_samples_per_prompt
-        rng = random.Random(f"{cfg.trainer.seed}:train:{step}")
-        tasks = rng.sample(self.train_tasks, cfg.trainer.train_batch_size)
+        tasks = sample_step(
+            self.datasets.train,
+            batch_size=cfg.trainer.train_batch_size,
+            seed=cfg.trainer.seed,
+            step=step,
+        )
         generator = GymGenerator(
             clients,
             self.tokenizer,
@@ -180,6 +176,9 @@ class GRPOLoop:
         metrics.update(await self.policy.push_weights(self.server_urls, api_key=self.api_key))
         synced = time.perf_counter()
         metrics.update(_rollout_metrics(output))
+        sources = [task.data_source for task in tasks for _ in range(n)]
+        if len(set(sources)) > 1:
+            metrics.update(_reward_by_source("reward", sources, output.rewards))
         metrics.update(
             {
                 "timing/generate_s": generated - started,
@@ -192,12 +191,17 @@ class GRPOLoop:
         return metrics
 
     async def evaluate(self, clients: list[Any]) -> dict[str, float]:
+        """Greedy rollouts of every held-out prompt: the mean reward, and per data source."""
+        tasks = self.datasets.eval
         generator = GymGenerator(clients, self.tokenizer, self.eval_config)
-        output = await generator.generate(self._input(self.eval_tasks, 1))
-        return {"eval/reward_mean": float(np.mean(output.rewards))}
+        output = await generator.generate(self._input(tasks, 1))
+        metrics = {"eval/reward_mean": float(np.mean(output.rewards))}
+        sources = [task.data_source for task in tasks]
+        metrics.update(_reward_by_source("eval/reward_mean", sources, output.rewards))
+        return metrics
 
     def _input(self, tasks: list[skyrl_gym.Task], n: int) -> GeneratorInput:
-        kwargs = dict(self.cfg.generator.env.kwargs)
+        kwargs = dict(self.cfg.environment.kwargs)
         repeated = [task for task in tasks for _ in range(n)]
         return GeneratorInput(
             prompts=[task.prompt for task in repeated],
@@ -238,6 +242,14 @@ class GRPOLoop:
 
 def _step_seed(seed: int, step: int) -> int:
     return (seed * 1_000_003 + step) % (2**31 - 1)
+
+
+def _reward_by_source(prefix: str, sources: list[str], rewards: list[float]) -> dict[str, float]:
+    """``{prefix}/{source}``: the mean reward of each data source's trajectories."""
+    by_source: dict[str, list[float]] = {}
+    for source, reward in zip(sources, rewards, strict=True):
+        by_source.setdefault(source, []).append(float(reward))
+    return {f"{prefix}/{source}": float(np.mean(values)) for source, values in by_source.items()}
 
 
 def _rollout_metrics(output: GeneratorOutput) -> dict[str, float]:

@@ -76,7 +76,7 @@ def test_overrides_reach_nested_keys_with_types() -> None:
             "generator.inference_engine.host=127.0.0.1",
             "trainer.policy.megatron_config.virtual_pipeline_model_parallel_size=2",
             "+trainer.policy.megatron_config.transformer_config_kwargs.moe_router_fusion=true",
-            "+generator.env.kwargs.digits=2",  # free-form dicts take new keys with "+"
+            "+environment.kwargs.digits=2",  # free-form dicts take new keys with "+"
         ]
     )
     assert cfg.trainer.num_steps == 3
@@ -86,7 +86,7 @@ def test_overrides_reach_nested_keys_with_types() -> None:
     mc = cfg.trainer.policy.megatron_config
     assert mc.virtual_pipeline_model_parallel_size == 2
     assert mc.transformer_config_kwargs == {"moe_router_fusion": True}
-    assert cfg.generator.env.kwargs == {"max_turns": 3, "digits": 2}
+    assert cfg.environment.kwargs == {"max_turns": 3, "digits": 2}
 
 
 @pytest.mark.parametrize(
@@ -106,7 +106,7 @@ def test_overrides_reach_nested_keys_with_types() -> None:
         ("trainer.policy.optimizer_config.adam_betas=[0.9,x]", "trainer.policy.optimizer_config.adam_betas[1]", "expected a number"),
         ("trainer.policy.megatron_config.transformer_config_kwargs=5", "trainer.policy.megatron_config.transformer_config_kwargs", "mapping"),
         ("trainer.placement=3", "trainer.placement", "mapping"),
-        ("generator.env.name=5", "generator.env.name", "expected a string"),
+        ("environment.env_class=5", "environment.env_class", "expected a string"),
     ],
 )  # fmt: skip
 def test_bad_override_fails_at_load_naming_the_key(override: str, key: str, fragment: str) -> None:

@@ -174,8 +174,8 @@ def test_transformer_kwargs_cannot_override_owned_keys(name: str, where: str) ->
         (["generator.sampling_params.temperature=1e-39"], "generator.sampling_params.temperature", "got 1e-39"),
         (["generator.eval_sampling_params.temperature=1e4"], "generator.eval_sampling_params.temperature", "0 (greedy) or a number in [1e-06, 100]"),
         (["generator.inference_engine.port=70000"], "generator.inference_engine.port", "0..65535"),
-        (["generator.env.name="], "generator.env.name", "environment name"),
-        (["generator.env.name=no_such_env"], "generator.env.name", "registered environment"),
+        (["environment.env_class="], "environment.env_class", "environment name"),
+        (["environment.env_class=no_such_env"], "environment.env_class", "registered environment"),
         (["trainer.policy.optimizer_config.lr=0"], "trainer.policy.optimizer_config.lr", "> 0"),
         (["trainer.policy.optimizer_config.adam_betas=[0.9,1.0]"], "trainer.policy.optimizer_config.adam_betas[1]", "beta < 1"),
         (["trainer.algorithm.eps_clip_high=1.5"], "trainer.algorithm.eps_clip_high", "< 1"),
@@ -234,10 +234,10 @@ def test_data_parallel_split_counts_trajectories_not_prompts() -> None:
 
 
 def test_env_kwargs_the_environment_does_not_take_are_refused_before_launch() -> None:
-    err = _refusal(["generator.env.name=repeat_letter"])  # the default kwargs set max_turns
-    assert err.key == "generator.env.kwargs"
+    err = _refusal(["environment.env_class=repeat_letter"])  # the default kwargs set max_turns
+    assert err.key == "environment.kwargs"
     assert "max_turns" in err.reason
-    ok = load_config(["generator.env.name=repeat_letter", "~generator.env.kwargs.max_turns"])
+    ok = load_config(["environment.env_class=repeat_letter", "~environment.kwargs.max_turns"])
     validate_cfg(ok)
 
 

@@ -23,8 +23,8 @@ SMALL = [
     "generator.n_samples_per_prompt=4",
     # A random model earns this env's format credit ~10% of turns (guess_number: ~4%),
     # so groups hold different rewards and every step really moves the weights.
-    "generator.env.name=repeat_letter",
-    "~generator.env.kwargs.max_turns",
+    "environment.env_class=repeat_letter",
+    "~environment.kwargs.max_turns",
     "generator.max_turns=2",
     "generator.max_tokens_per_turn=4",
     # fp32 rollouts make the resumed step reproducible bit for bit; bf16 is the

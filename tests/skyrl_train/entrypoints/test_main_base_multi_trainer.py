@@ -46,8 +46,8 @@ TWO_RANKS = with_overrides(
     "trainer.policy.megatron_config.expert_model_parallel_size=2",
     # A random model earns this env's format credit ~10% of turns (guess_number: ~4%),
     # so the step's groups hold different rewards and the update moves the weights.
-    "generator.env.name=repeat_letter",
-    "~generator.env.kwargs.max_turns",
+    "environment.env_class=repeat_letter",
+    "~environment.kwargs.max_turns",
     "logging.plot=false",
 )
 ROWS = 8

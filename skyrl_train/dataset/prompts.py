@@ -1,0 +1,232 @@
+"""Prompt datasets: rows from parquet or JSON Lines files, checked before anything starts.
+
+Row schema (SkyRL's): ``prompt`` (a non-empty list of ``{role, content}`` strings),
+``env_class`` (a registered environment, or null for ``environment.env_class``),
+``reward_spec`` (``{method, ground_truth}``), and optional ``data_source`` (a string)
+and ``extra_info`` (a mapping). Other columns are ignored. A row becomes a
+``skyrl_gym.Task`` whose environment is ``make(env_class, reward_spec=...,
+extra_info=..., **environment.kwargs)``; one environment per row is built while
+loading, so a row its environment refuses fails now, naming the file and row.
+
+Files are read with pyarrow: parquet is what SkyRL's dataset scripts write, pyarrow
+reads it and JSON Lines without the ``datasets`` package's cache and network layer,
+and it was already the engine under ``datasets``.
+
+Sampling is a pure function of (seed, step): training walks the rows in epochs, each
+epoch a fresh permutation from the seed, so a resumed run takes the same prompts.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import skyrl_gym
+from skyrl_gym import Task
+from skyrl_train.config.schema import PPOConfig
+from skyrl_train.errors import DatasetError
+
+__all__ = [
+    "DATA_SUFFIXES",
+    "PromptDatasets",
+    "load_datasets",
+    "load_tasks",
+    "read_rows",
+    "sample_step",
+]
+
+DATA_SUFFIXES = (".parquet", ".jsonl", ".json")
+_REQUIRED = ("prompt", "reward_spec")
+
+
+def read_rows(path: str | Path, *, key: str) -> list[dict[str, Any]]:
+    """Every row of a parquet or JSON Lines file as a dict (``key`` names the config
+    entry in errors)."""
+    file = Path(path)
+    try:
+        if file.suffix == ".parquet":
+            import pyarrow.parquet as pq
+
+            return list(pq.read_table(file).to_pylist())
+        import pyarrow.json as pj
+
+        return list(pj.read_json(file).to_pylist())
+    except Exception as exc:  # pyarrow raises several types; all mean "unreadable"
+        if file.suffix == ".parquet":
+            raise DatasetError(
+                key, file, row=None, field=None, reason=f"unreadable: {exc}"
+            ) from exc
+    # pyarrow infers one schema per file and names no line when a row breaks it (a
+    # prompt that is a string in one row and a list in the others, a bad line): read
+    # the lines one by one so the row checks below can name the culprit.
+    return _json_lines(file, key)
+
+
+def _json_lines(file: Path, key: str) -> list[dict[str, Any]]:
+    import orjson
+
+    rows: list[dict[str, Any]] = []
+    with file.open("rb") as fh:
+        for number, line in enumerate(fh):
+            if not line.strip():
+                continue
+            try:
+                value = orjson.loads(line)
+            except orjson.JSONDecodeError as exc:
+                raise DatasetError(
+                    key, file, row=number, field=None, reason=f"expected a JSON object: {exc}"
+                ) from exc
+            if not isinstance(value, dict):
+                raise DatasetError(
+                    key, file, row=number, field=None,
+                    reason=f"expected a JSON object, got {type(value).__name__}",
+                )  # fmt: skip
+            rows.append(value)
+    return rows
+
+
+def _check_row(
+    row: Mapping[str, Any], *, key: str, path: str, number: int, default_env: str
+) -> Task:
+    def fail(field: str, reason: str) -> DatasetError:
+        return DatasetError(key, path, row=number, field=field, reason=reason)
+
+    for name in _REQUIRED:
+        if row.get(name) is None:
+            raise fail(name, "expected a value, got none")
+    prompt = row["prompt"]
+    if not isinstance(prompt, list) or not prompt:
+        raise fail("prompt", f"expected a non-empty list of messages, got {prompt!r:.80}")
+    for i, message in enumerate(prompt):
+        if not isinstance(message, Mapping):
+            raise fail(f"prompt[{i}]", f"expected a {{role, content}} mapping, got {message!r:.80}")
+        for part in ("role", "content"):
+            if not isinstance(message.get(part), str):
+                raise fail(
+                    f"prompt[{i}].{part}", f"expected a string, got {message.get(part)!r:.80}"
+                )
+    env_class = row.get("env_class") or default_env
+    if not isinstance(env_class, str) or env_class not in skyrl_gym.registered():
+        raise fail(
+            "env_class",
+            f"expected a registered environment {skyrl_gym.registered()}, got {env_class!r}",
+        )
+    spec = row["reward_spec"]
+    if not isinstance(spec, Mapping):
+        raise fail("reward_spec", f"expected a {{method, ground_truth}} mapping, got {spec!r:.80}")
+    if not isinstance(spec.get("method"), str):
+        raise fail("reward_spec.method", f"expected a string, got {spec.get('method')!r:.80}")
+    if spec.get("ground_truth") is None:
+        raise fail("reward_spec.ground_truth", "expected a value, got none")
+    source = row.get("data_source")
+    if source is not None and not isinstance(source, str):
+        raise fail("data_source", f"expected a string, got {source!r:.80}")
+    extra = row.get("extra_info")
+    if extra is not None and not isinstance(extra, Mapping):
+        raise fail("extra_info", f"expected a mapping, got {extra!r:.80}")
+    messages = [{"role": m["role"], "content": m["content"]} for m in prompt]
+    return Task(
+        prompt=messages,
+        env_name=env_class,
+        env_extras={"reward_spec": dict(spec), "extra_info": dict(extra or {})},
+        data_source=source or env_class,
+    )
+
+
+def load_tasks(
+    paths: Sequence[str],
+    *,
+    key: str,
+    default_env_class: str,
+    env_kwargs: Mapping[str, Any],
+) -> list[Task]:
+    """Every row of ``paths`` as a ``Task``, in file order; raises ``DatasetError``
+    naming ``key[i]``, the file, the row (0-based) and the field of the first bad row.
+
+    Each row's environment is built once (and closed) with ``env_kwargs``, so a
+    ground truth or keyword it refuses is reported here, not mid-run.
+    """
+    tasks: list[Task] = []
+    for i, path in enumerate(paths):
+        file_key = f"{key}[{i}]"
+        rows = read_rows(path, key=file_key)
+        if not rows:
+            raise DatasetError(
+                file_key, path, row=None, field=None, reason="expected rows, got none"
+            )
+        for number, row in enumerate(rows):
+            task = _check_row(
+                row, key=file_key, path=path, number=number, default_env=default_env_class
+            )
+            try:
+                env = skyrl_gym.make(task.env_name, **{**task.env_extras, **env_kwargs})
+                getattr(env, "close", lambda: None)()
+            except (skyrl_gym.EnvError, TypeError, ValueError) as exc:
+                raise DatasetError(
+                    file_key, path, row=number, field="env_class", reason=f"{task.env_name}: {exc}"
+                ) from exc
+            tasks.append(task)
+    return tasks
+
+
+def sample_step(tasks: Sequence[Task], *, batch_size: int, seed: int, step: int) -> list[Task]:
+    """The prompts of training step ``step`` (1-based): rows ``[(step-1)*B, step*B)`` of
+    an endless sequence of epochs, each epoch a permutation drawn from ``(seed, epoch)``.
+
+    Every row is seen once per epoch; a batch that crosses an epoch boundary takes the
+    end of one permutation and the start of the next.
+    """
+    if not tasks:
+        raise ValueError("tasks: expected at least one row, got none")
+    if step < 1 or batch_size < 1:
+        raise ValueError(f"step, batch_size: expected >= 1, got {step}, {batch_size}")
+    size = len(tasks)
+    picked: list[Task] = []
+    orders: dict[int, list[int]] = {}
+    for index in range((step - 1) * batch_size, step * batch_size):
+        epoch, position = divmod(index, size)
+        if epoch not in orders:
+            order = list(range(size))
+            random.Random(f"{seed}:epoch:{epoch}").shuffle(order)
+            orders[epoch] = order
+        picked.append(tasks[orders[epoch][position]])
+    return picked
+
+
+GENERATED_DATASET_SIZE = 4096
+"""Rows of the generated dataset used when ``data.train_data`` is empty."""
+EVAL_SEED_OFFSET = 1_000_003
+"""Generated held-out prompts come from a dataset seed training never draws from."""
+
+
+@dataclass(frozen=True)
+class PromptDatasets:
+    train: list[Task]
+    eval: list[Task]
+
+
+def load_datasets(cfg: PPOConfig) -> PromptDatasets:
+    """``data.train_data``/``data.val_data`` loaded and checked, or the environment's
+    generated datasets when they are empty."""
+    env = cfg.environment
+    seed = cfg.trainer.seed
+
+    def load(paths: list[str], key: str) -> list[Task]:
+        return load_tasks(paths, key=key, default_env_class=env.env_class, env_kwargs=env.kwargs)
+
+    if cfg.data.train_data:
+        train = load(cfg.data.train_data, "data.train_data")
+    else:
+        train = skyrl_gym.make_dataset(env.env_class, num_prompts=GENERATED_DATASET_SIZE, seed=seed)
+    if cfg.data.val_data:
+        held_out = load(cfg.data.val_data, "data.val_data")
+    else:
+        held_out = skyrl_gym.make_dataset(
+            env.env_class,
+            num_prompts=cfg.trainer.eval_batch_size,
+            seed=seed + EVAL_SEED_OFFSET,
+        )
+    return PromptDatasets(train=train, eval=held_out)
