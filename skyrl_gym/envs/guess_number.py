@@ -36,7 +36,12 @@ class GuessNumberEnv(Env):
         c = first_char(action)
         if not (len(c) == 1 and "0" <= c <= "9"):
             return StepOutput(
-                [{"role": "user", "content": NOT_A_DIGIT}], 0.0, False, {"valid": False}
+                [{"role": "user", "content": NOT_A_DIGIT}],
+                0.0,
+                False,
+                # Every step says whether the episode is solved, so an episode of only
+                # bad replies still counts (as unsolved) in the success rate.
+                {"valid": False, "solved": False},
             )
         guess = int(c)
         if guess == self.target:

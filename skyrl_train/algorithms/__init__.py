@@ -1,8 +1,14 @@
-"""GRPO pieces and R3 health metrics: pure torch functions, no trainer state."""
+"""Advantage estimators, policy losses, learning signals and R3 health metrics: pure
+torch functions, no trainer state."""
 
 from skyrl_train.algorithms.advantages import (
+    ADVANTAGE_ESTIMATORS,
+    GROUPED_ESTIMATORS,
     GRPOAdvantages,
+    compute_advantages,
     compute_grpo_advantages,
+    compute_reinforce_plus_plus_advantages,
+    compute_rloo_advantages,
     contiguous_groups,
 )
 from skyrl_train.algorithms.metrics import StepMetrics, reduction_of
@@ -13,20 +19,43 @@ from skyrl_train.algorithms.mismatch import (
     logprob_mismatch,
     router_agreement,
 )
-from skyrl_train.algorithms.policy_loss import PolicyLossOutput, kl_penalty, ppo_policy_loss
+from skyrl_train.algorithms.policy_loss import (
+    POLICY_LOSS_TYPES,
+    PolicyLossOutput,
+    gspo_policy_loss,
+    kl_penalty,
+    ppo_policy_loss,
+)
+from skyrl_train.algorithms.signals import (
+    mean_token_entropy,
+    success_rate,
+    token_entropy,
+    zero_variance_group_fraction,
+)
 
 __all__ = [
+    "ADVANTAGE_ESTIMATORS",
+    "GROUPED_ESTIMATORS",
     "MISSING_LOGPROB",
+    "POLICY_LOSS_TYPES",
     "GRPOAdvantages",
     "LogprobMismatch",
     "PolicyLossOutput",
     "RouterAgreement",
     "StepMetrics",
+    "compute_advantages",
     "compute_grpo_advantages",
+    "compute_reinforce_plus_plus_advantages",
+    "compute_rloo_advantages",
     "contiguous_groups",
+    "gspo_policy_loss",
     "kl_penalty",
     "logprob_mismatch",
+    "mean_token_entropy",
     "ppo_policy_loss",
     "reduction_of",
     "router_agreement",
+    "success_rate",
+    "token_entropy",
+    "zero_variance_group_fraction",
 ]

@@ -35,9 +35,10 @@ def masked_mean(
 ) -> torch.Tensor:
     """Sum of ``values`` over the mask divided by the mask's count (or ``denominator``).
 
-    An all-masked input gives 0.0, not NaN: the count is clamped to 1.
+    An all-masked input gives 0.0, not NaN: the count is clamped to 1. Masked
+    positions are selected away, not multiplied by 0, so a NaN/inf there cannot leak.
     """
-    total = (values * mask).sum()
+    total = torch.where(mask > 0, values, torch.zeros_like(values)).sum()
     count = mask.sum().clamp(min=1.0) if denominator is None else float(denominator)
     return total / count
 
@@ -48,3 +49,24 @@ def k3(log_ratio: torch.Tensor) -> torch.Tensor:
     With samples drawn from q it estimates KL(q || p) without bias and low variance.
     """
     return torch.expm1(log_ratio) - log_ratio
+
+
+LOG_RATIO_BOUND = 20.0
+"""Log-ratios are clamped to +-20 before ``exp`` (SkyRL's bound): exp(88.7) already
+overflows fp32, and one token at ratio e^20 (4.9e8) is more than any step should see."""
+
+
+def masked_log_ratio(
+    logprobs: torch.Tensor, base: torch.Tensor, mask: torch.Tensor
+) -> torch.Tensor:
+    """``logprobs - base`` clamped to +-``LOG_RATIO_BOUND``, exactly 0 where ``mask`` is 0.
+
+    Selecting (``torch.where``) rather than multiplying by the mask keeps a NaN/inf at a
+    masked position out of the value *and* the gradient: the backward of ``where``
+    routes a zero gradient to the unselected side without multiplying by it.
+    """
+    active = mask > 0
+    diff = torch.where(active, logprobs, torch.zeros_like(logprobs)) - torch.where(
+        active, base, torch.zeros_like(base)
+    )
+    return diff.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)

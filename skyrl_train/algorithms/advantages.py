@@ -1,13 +1,28 @@
-"""GRPO group-relative advantages."""
+"""Advantage estimators (``trainer.algorithm.advantage_estimator``, SkyRL's names).
+
+All three take outcome rewards (one per trajectory) and put each trajectory's score on
+its loss-active tokens:
+
+- ``grpo``: (r - group mean) / (group std + eps), per prompt group;
+- ``rloo``: r minus the mean of the *other* samples of the group (leave-one-out);
+- ``reinforce++``: with gamma = 1 every token's return is r, whitened over all
+  loss-active tokens of the batch (no groups needed).
+"""
 
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 import torch
 
 from skyrl_train.algorithms._common import as_float_mask, check_tensor
+
+AdvantageEstimator = Literal["grpo", "rloo", "reinforce++"]
+ADVANTAGE_ESTIMATORS: tuple[str, ...] = get_args(AdvantageEstimator)
+GROUPED_ESTIMATORS = ("grpo", "rloo")
+"""Estimators whose baseline is the prompt's group, so they need >= 2 samples a prompt."""
 
 
 @dataclass
@@ -48,39 +63,16 @@ def compute_grpo_advantages(
     A group whose rewards are all equal (including a group of one) scores 0: it has no
     signal to learn from, and dividing by its zero std must not blow up.
     """
-    rewards = check_tensor(rewards, "rewards", ndim=1)
-    if not rewards.is_floating_point():
-        raise ValueError(f"rewards: expected a float tensor, got {rewards.dtype}")
-    bad = (~torch.isfinite(rewards)).nonzero()
-    if bad.numel():
-        i = int(bad[0])
-        raise ValueError(f"rewards[{i}]: expected a finite reward, got {float(rewards[i])}")
-    batch = rewards.shape[0]
-    loss_mask = check_tensor(loss_mask, "loss_mask", ndim=2)
-    if loss_mask.shape[0] != batch:
-        raise ValueError(
-            f"loss_mask: expected {batch} rows (one per reward), got shape {tuple(loss_mask.shape)}"
-        )
-    mask = as_float_mask(loss_mask, "loss_mask", shape=loss_mask.shape, ref_name="loss_mask")
-    ids = group_ids.tolist() if isinstance(group_ids, torch.Tensor) else list(group_ids)
-    if len(ids) != batch:
-        raise ValueError(f"group_ids: expected {batch} ids (one per reward), got {len(ids)}")
+    r, mask, group, num_groups = _check_inputs(rewards, loss_mask, group_ids)
     if not eps >= 0.0:
         raise ValueError(f"eps: expected >= 0, got {eps}")
-
-    index: dict[Hashable, int] = {}
-    group = torch.tensor([index.setdefault(g, len(index)) for g in ids], dtype=torch.long)
-    num_groups = len(index)
-    r = rewards.to(torch.float64)
     counts = torch.bincount(group, minlength=num_groups).to(torch.float64)
     mean = torch.zeros(num_groups, dtype=torch.float64).index_add_(0, group, r) / counts
     centred = r - mean[group]
     # The mean of equal rewards is not always exactly that reward (3 x 0.1 / 3 is off
     # by 2e-17), and that residue divided by a std of the same size would score +-0.8.
-    spread = torch.zeros(num_groups, dtype=torch.float64)
-    high = spread.scatter_reduce(0, group, r, "amax", include_self=False)
-    low = spread.scatter_reduce(0, group, r, "amin", include_self=False)
-    centred = torch.where((high == low)[group], torch.zeros_like(centred), centred)
+    flat = flat_groups(r, group, num_groups)
+    centred = torch.where(flat[group], torch.zeros_like(centred), centred)
     sq = torch.zeros(num_groups, dtype=torch.float64).index_add_(0, group, centred**2)
     std = (sq / (counts - 1).clamp(min=1.0)).sqrt()[group]
     if norm_by_std:
@@ -96,3 +88,123 @@ def compute_grpo_advantages(
         group_mean=mean[group].to(torch.float32),
         group_std=std.to(torch.float32),
     )
+
+
+@torch.no_grad()
+def compute_rloo_advantages(
+    rewards: torch.Tensor,
+    loss_mask: torch.Tensor,
+    group_ids: Sequence[Hashable] | torch.Tensor,
+) -> torch.Tensor:
+    """RLOO: ``[B, R]`` float32, each trajectory's r_i - mean_{j != i} r_j of its group
+    on its loss-active tokens (0 elsewhere).
+
+    That equals n / (n - 1) * (r_i - group mean). A group of one has no other sample
+    and a group of equal rewards no signal: both score exactly 0.
+    """
+    r, mask, group, num_groups = _check_inputs(rewards, loss_mask, group_ids)
+    counts = torch.bincount(group, minlength=num_groups).to(torch.float64)
+    totals = torch.zeros(num_groups, dtype=torch.float64).index_add_(0, group, r)
+    others = (totals[group] - r) / (counts[group] - 1).clamp(min=1.0)
+    scores = r - others
+    zero = flat_groups(r, group, num_groups)[group] | (counts[group] < 2)
+    scores = torch.where(zero, torch.zeros_like(scores), scores).to(torch.float32)
+    return scores[:, None] * mask
+
+
+@torch.no_grad()
+def compute_reinforce_plus_plus_advantages(
+    rewards: torch.Tensor, loss_mask: torch.Tensor, *, eps: float = 1e-6
+) -> torch.Tensor:
+    """REINFORCE++ with an outcome reward and gamma = 1: ``[B, R]`` float32.
+
+    The reward sits on the last generated token, so every loss-active token's return
+    (the sum of rewards from it on) is the trajectory reward r_i. The returns are
+    whitened over all loss-active tokens of the batch: (return - mean) / (std + eps),
+    mean and unbiased std over those tokens (a trajectory weighs by its token count).
+    Equal returns everywhere score exactly 0. No groups: one sample a prompt is fine.
+    """
+    r, mask, _, _ = _check_inputs(rewards, loss_mask, None)
+    if not eps >= 0.0:
+        raise ValueError(f"eps: expected >= 0, got {eps}")
+    weights = mask.sum(dim=1).to(torch.float64)  # tokens per trajectory
+    count = weights.sum()
+    if count == 0:
+        return torch.zeros_like(mask)
+    mean = (weights * r).sum() / count
+    centred = r - mean
+    active = weights > 0
+    if r[active].max() == r[active].min():  # see compute_grpo_advantages: no residue
+        centred = torch.zeros_like(centred)
+    std = ((weights * centred**2).sum() / (count - 1).clamp(min=1.0)).sqrt()
+    denom = std + eps
+    scores = centred / denom if denom > 0 else centred
+    return scores.to(torch.float32)[:, None] * mask
+
+
+def compute_advantages(
+    estimator: str,
+    rewards: torch.Tensor,
+    loss_mask: torch.Tensor,
+    group_ids: Sequence[Hashable] | torch.Tensor,
+    *,
+    norm_by_std: bool = True,
+    eps: float = 1e-6,
+) -> torch.Tensor:
+    """``[B, R]`` advantages by ``estimator`` (one of ``ADVANTAGE_ESTIMATORS``).
+
+    ``norm_by_std`` applies to ``grpo`` only; ``eps`` to ``grpo`` and ``reinforce++``;
+    ``reinforce++`` ignores ``group_ids``.
+    """
+    if estimator == "grpo":
+        return compute_grpo_advantages(
+            rewards, loss_mask, group_ids, norm_by_std=norm_by_std, eps=eps
+        ).advantages
+    if estimator == "rloo":
+        return compute_rloo_advantages(rewards, loss_mask, group_ids)
+    if estimator == "reinforce++":
+        return compute_reinforce_plus_plus_advantages(rewards, loss_mask, eps=eps)
+    raise ValueError(f"estimator: expected one of {list(ADVANTAGE_ESTIMATORS)}, got {estimator!r}")
+
+
+def group_index(
+    group_ids: Sequence[Hashable] | torch.Tensor,
+) -> tuple[torch.Tensor, int]:
+    """Dense group indices ``[B]`` (first appearance order) and the number of groups."""
+    ids = group_ids.tolist() if isinstance(group_ids, torch.Tensor) else list(group_ids)
+    index: dict[Hashable, int] = {}
+    group = torch.tensor([index.setdefault(g, len(index)) for g in ids], dtype=torch.long)
+    return group, len(index)
+
+
+def flat_groups(values: torch.Tensor, group: torch.Tensor, num_groups: int) -> torch.Tensor:
+    """``[G]`` bool: True where every value of the group is equal (a group of one too)."""
+    spread = torch.zeros(num_groups, dtype=values.dtype)
+    high = spread.scatter_reduce(0, group, values, "amax", include_self=False)
+    low = spread.scatter_reduce(0, group, values, "amin", include_self=False)
+    return high == low
+
+
+def _check_inputs(
+    rewards: object, loss_mask: object, group_ids: Sequence[Hashable] | torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """float64 rewards, the 0/1 float mask, dense group indices and the group count
+    (``group_ids`` None: every trajectory its own group)."""
+    rewards = check_tensor(rewards, "rewards", ndim=1)
+    if not rewards.is_floating_point():
+        raise ValueError(f"rewards: expected a float tensor, got {rewards.dtype}")
+    bad = (~torch.isfinite(rewards)).nonzero()
+    if bad.numel():
+        i = int(bad[0])
+        raise ValueError(f"rewards[{i}]: expected a finite reward, got {float(rewards[i])}")
+    batch = rewards.shape[0]
+    loss_mask = check_tensor(loss_mask, "loss_mask", ndim=2)
+    if loss_mask.shape[0] != batch:
+        raise ValueError(
+            f"loss_mask: expected {batch} rows (one per reward), got shape {tuple(loss_mask.shape)}"
+        )
+    mask = as_float_mask(loss_mask, "loss_mask", shape=loss_mask.shape, ref_name="loss_mask")
+    group, num_groups = group_index(range(batch) if group_ids is None else group_ids)
+    if group.shape[0] != batch:
+        raise ValueError(f"group_ids: expected {batch} ids (one per reward), got {group.shape[0]}")
+    return rewards.to(torch.float64), mask, group, num_groups

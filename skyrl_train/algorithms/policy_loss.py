@@ -1,18 +1,31 @@
-"""PPO-clip policy loss (token-mean, optional dual clip and TIS) and the k3 KL penalty."""
+"""Policy losses (PPO-clip and GSPO, token-mean, optional dual clip and TIS) and the k3
+KL penalty.
+
+Every log-ratio is clamped to +-20 before ``exp`` (``_common.LOG_RATIO_BOUND``) and
+masked positions are selected away, never multiplied by 0, so neither an overflowing
+ratio nor a NaN at a masked position can reach the loss or its gradient.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 import torch
 
 from skyrl_train.algorithms._common import (
+    LOG_RATIO_BOUND,
     as_float_mask,
     check_same_shape,
     check_tensor,
     k3,
+    masked_log_ratio,
     masked_mean,
 )
+
+PolicyLossType = Literal["regular", "gspo"]
+POLICY_LOSS_TYPES: tuple[str, ...] = get_args(PolicyLossType)
+"""``trainer.algorithm.policy_loss_type`` values, SkyRL's names."""
 
 
 @dataclass
@@ -38,9 +51,10 @@ def ppo_policy_loss(
     tis_imp_ratio_cap: float | None = None,
     denominator: float | None = None,
 ) -> PolicyLossOutput:
-    """Clipped surrogate loss, token-mean over ``loss_mask``; all tensors ``[B, R]``.
+    """Clipped surrogate loss (``policy_loss_type: regular``), token-mean over
+    ``loss_mask``; all tensors ``[B, R]``.
 
-    ratio = exp(logprobs - old_logprobs); per token the loss is
+    ratio = exp(clamp(logprobs - old_logprobs, -20, 20)); per token the loss is
     max(-A * ratio, -A * clamp(ratio, 1 - eps_clip_low, 1 + eps_clip_high)). With
     ``clip_ratio_c`` (> 1) tokens with A < 0 are further capped at -A * c (dual clip),
     so a huge ratio on a bad token cannot dominate the step.
@@ -52,6 +66,105 @@ def ppo_policy_loss(
     ``denominator`` replaces the token count of this call, so micro-batches of one
     mini-batch can all divide by the mini-batch's token count (a true token mean).
     """
+    mask = _check_inputs(
+        logprobs, old_logprobs, advantages, loss_mask, eps_clip_low, eps_clip_high, denominator
+    )
+    if clip_ratio_c is not None and not clip_ratio_c > 1.0:
+        raise ValueError(f"clip_ratio_c: expected None or > 1, got {clip_ratio_c}")
+    log_ratio = masked_log_ratio(logprobs, old_logprobs.detach(), mask)
+    return _clipped_surrogate(
+        log_ratio,
+        log_ratio.detach(),
+        advantages.detach(),
+        mask,
+        eps_clip_low=eps_clip_low,
+        eps_clip_high=eps_clip_high,
+        clip_ratio_c=clip_ratio_c,
+        tis_weights=_tis_weights(old_logprobs, rollout_logprobs, tis_imp_ratio_cap, mask),
+        denominator=denominator,
+    )
+
+
+def gspo_policy_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    loss_mask: torch.Tensor,
+    *,
+    eps_clip_low: float,
+    eps_clip_high: float,
+    rollout_logprobs: torch.Tensor | None = None,
+    tis_imp_ratio_cap: float | None = None,
+    denominator: float | None = None,
+) -> PolicyLossOutput:
+    """GSPO (``policy_loss_type: gspo``): one importance ratio per sequence.
+
+    s_i = exp(clamp(mean over sequence i's loss-active tokens of (logprobs - old), +-20));
+    each token uses r = s_i * exp(logp - sg(logp)): the value is the sequence's ratio,
+    the gradient flows through the token's own logprob (d r / d logp_t = s_i). Per token
+    the loss is -min(r * A, clamp(r, 1 - eps_clip_low, 1 + eps_clip_high) * A), and
+    the loss is the token mean over ``loss_mask`` like the regular loss (the paper
+    averages per sequence first; here long sequences weigh by their token count).
+
+    GSPO's ratios sit near 1 (a mean of log-ratios), so the paper clips far tighter
+    than PPO, e.g. eps_clip_low=3e-4, eps_clip_high=4e-4; with PPO's 0.2 almost
+    nothing clips. No dual clip; TIS and ``denominator`` as in ``ppo_policy_loss``.
+    """
+    mask = _check_inputs(
+        logprobs, old_logprobs, advantages, loss_mask, eps_clip_low, eps_clip_high, denominator
+    )
+    active = mask > 0
+    current = torch.where(active, logprobs, torch.zeros_like(logprobs))
+    old = torch.where(active, old_logprobs.detach(), torch.zeros_like(current))
+    sequence = ((current - old).sum(dim=1) / mask.sum(dim=1).clamp(min=1.0)).detach()
+    sequence = sequence.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+    log_ratio = sequence[:, None] + current - current.detach()
+    return _clipped_surrogate(
+        log_ratio,
+        masked_log_ratio(logprobs.detach(), old_logprobs.detach(), mask),
+        advantages.detach(),
+        mask,
+        eps_clip_low=eps_clip_low,
+        eps_clip_high=eps_clip_high,
+        clip_ratio_c=None,
+        tis_weights=_tis_weights(old_logprobs, rollout_logprobs, tis_imp_ratio_cap, mask),
+        denominator=denominator,
+    )
+
+
+def kl_penalty(
+    logprobs: torch.Tensor,
+    ref_logprobs: torch.Tensor,
+    loss_mask: torch.Tensor,
+    *,
+    denominator: float | None = None,
+) -> torch.Tensor:
+    """Token-mean k3 estimate of KL(policy || ref) on the policy's own samples, ``[B, R]``.
+
+    Per token exp(r) - 1 - r with r = clamp(ref_logprobs - logprobs, -20, 20) (>= 0,
+    low variance); masked positions are selected away, so a NaN there stays out.
+    """
+    logprobs = check_tensor(logprobs, "logprobs", ndim=2)
+    ref = check_tensor(ref_logprobs, "ref_logprobs", ndim=2)
+    check_same_shape(ref, "ref_logprobs", logprobs.shape, "logprobs")
+    mask = as_float_mask(loss_mask, "loss_mask", shape=logprobs.shape, ref_name="logprobs")
+    log_ratio = masked_log_ratio(ref.detach(), logprobs, mask)
+    return masked_mean(k3(log_ratio), mask, denominator=denominator)
+
+
+# ------------------------------------------------------------------------------ shared
+
+
+def _check_inputs(
+    logprobs: object,
+    old_logprobs: object,
+    advantages: object,
+    loss_mask: object,
+    eps_clip_low: float,
+    eps_clip_high: float,
+    denominator: float | None,
+) -> torch.Tensor:
+    """Shape and range checks shared by the losses; returns the 0/1 float mask."""
     logprobs = check_tensor(logprobs, "logprobs", ndim=2)
     shape = logprobs.shape
     for name, value in (("old_logprobs", old_logprobs), ("advantages", advantages)):
@@ -61,20 +174,48 @@ def ppo_policy_loss(
         raise ValueError(f"eps_clip_low: expected 0 <= eps_clip_low < 1, got {eps_clip_low}")
     if not eps_clip_high >= 0.0:
         raise ValueError(f"eps_clip_high: expected >= 0, got {eps_clip_high}")
-    if clip_ratio_c is not None and not clip_ratio_c > 1.0:
-        raise ValueError(f"clip_ratio_c: expected None or > 1, got {clip_ratio_c}")
-    if (rollout_logprobs is None) != (tis_imp_ratio_cap is None):
-        raise ValueError(
-            "tis_imp_ratio_cap: expected it together with rollout_logprobs (both or neither), "
-            f"got cap={tis_imp_ratio_cap} and rollout_logprobs "
-            f"{'set' if rollout_logprobs is not None else 'None'}"
-        )
     if denominator is not None and not denominator > 0:
         raise ValueError(f"denominator: expected > 0, got {denominator}")
+    return mask
 
-    old_logprobs = old_logprobs.detach()
-    advantages = advantages.detach()
-    log_ratio = logprobs - old_logprobs
+
+def _tis_weights(
+    old_logprobs: torch.Tensor,
+    rollout_logprobs: torch.Tensor | None,
+    cap: float | None,
+    mask: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(min(exp(old - rollout), cap), whether the cap bit), detached; None without TIS."""
+    if (rollout_logprobs is None) != (cap is None):
+        raise ValueError(
+            "tis_imp_ratio_cap: expected it together with rollout_logprobs (both or neither), "
+            f"got cap={cap} and rollout_logprobs "
+            f"{'set' if rollout_logprobs is not None else 'None'}"
+        )
+    if rollout_logprobs is None or cap is None:
+        return None
+    rollout = check_tensor(rollout_logprobs, "rollout_logprobs", ndim=2)
+    check_same_shape(rollout, "rollout_logprobs", old_logprobs.shape, "logprobs")
+    if not cap > 0:
+        raise ValueError(f"tis_imp_ratio_cap: expected > 0, got {cap}")
+    raw = torch.exp(masked_log_ratio(old_logprobs.detach(), rollout.detach(), mask))
+    return raw.clamp(max=cap), raw > cap
+
+
+def _clipped_surrogate(
+    log_ratio: torch.Tensor,
+    token_log_ratio: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    eps_clip_low: float,
+    eps_clip_high: float,
+    clip_ratio_c: float | None,
+    tis_weights: tuple[torch.Tensor, torch.Tensor] | None,
+    denominator: float | None,
+) -> PolicyLossOutput:
+    """The clipped objective on a (bounded) ``log_ratio``; ``token_log_ratio`` (detached)
+    is each token's own log(new/old), for the KL estimate."""
     ratio = torch.exp(log_ratio)
     unclipped = -advantages * ratio
     clipped = -advantages * ratio.clamp(1.0 - eps_clip_low, 1.0 + eps_clip_high)
@@ -88,19 +229,11 @@ def ppo_policy_loss(
         per_token = torch.where(negative, torch.minimum(per_token, cap), per_token)
 
     metrics: dict[str, float] = {}
-    if rollout_logprobs is not None and tis_imp_ratio_cap is not None:
-        rollout = check_tensor(rollout_logprobs, "rollout_logprobs", ndim=2)
-        check_same_shape(rollout, "rollout_logprobs", shape, "logprobs")
-        if not tis_imp_ratio_cap > 0:
-            raise ValueError(f"tis_imp_ratio_cap: expected > 0, got {tis_imp_ratio_cap}")
-        raw = torch.exp(old_logprobs - rollout.detach())
-        weight = raw.clamp(max=tis_imp_ratio_cap)
+    if tis_weights is not None:
+        weight, capped = tis_weights
         per_token = per_token * weight
-        with torch.no_grad():
-            metrics["tis_weight_mean"] = masked_mean(weight, mask).item()
-            metrics["tis_clip_fraction"] = masked_mean(
-                (raw > tis_imp_ratio_cap).float(), mask
-            ).item()
+        metrics["tis_weight_mean"] = masked_mean(weight, mask).item()
+        metrics["tis_clip_fraction"] = masked_mean(capped.float(), mask).item()
 
     loss = masked_mean(per_token, mask, denominator=denominator)
     with torch.no_grad():
@@ -109,26 +242,8 @@ def ppo_policy_loss(
             clip_fraction=masked_mean(clipped_tokens.float(), mask).item(),
             dual_clip_fraction=masked_mean(dual_clipped.float(), mask).item(),
             # k3 of ratio = new/old estimates KL(old || new) on tokens sampled from old.
-            approx_kl=masked_mean(k3(log_ratio), mask).item(),
+            approx_kl=masked_mean(k3(token_log_ratio), mask).item(),
             ratio_mean=masked_mean(ratio, mask).item(),
             num_tokens=mask.sum().item(),
         )
     return PolicyLossOutput(loss=loss, metrics=metrics)
-
-
-def kl_penalty(
-    logprobs: torch.Tensor,
-    ref_logprobs: torch.Tensor,
-    loss_mask: torch.Tensor,
-    *,
-    denominator: float | None = None,
-) -> torch.Tensor:
-    """Token-mean k3 estimate of KL(policy || ref) on the policy's own samples, ``[B, R]``.
-
-    Per token exp(r) - 1 - r with r = ref_logprobs - logprobs (>= 0, low variance).
-    """
-    logprobs = check_tensor(logprobs, "logprobs", ndim=2)
-    ref = check_tensor(ref_logprobs, "ref_logprobs", ndim=2)
-    check_same_shape(ref, "ref_logprobs", logprobs.shape, "logprobs")
-    mask = as_float_mask(loss_mask, "loss_mask", shape=logprobs.shape, ref_name="logprobs")
-    return masked_mean(k3(ref.detach() - logprobs), mask, denominator=denominator)

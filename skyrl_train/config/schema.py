@@ -176,13 +176,20 @@ class RefConfig:
 
 @dataclass(frozen=True)
 class AlgorithmConfig:
-    advantage_estimator: Literal["grpo"] = "grpo"
+    advantage_estimator: Literal["grpo", "rloo", "reinforce++"] = "grpo"
+    """"grpo": group-normalised; "rloo": leave-one-out group baseline; "reinforce++":
+    returns whitened over the batch's tokens (``algorithms.advantages``)."""
     norm_adv_by_std_in_grpo: bool = True
+    """Divide GRPO's centred rewards by the group std (grpo only)."""
     advantage_eps: float = 1e-6
+    policy_loss_type: Literal["regular", "gspo"] = "regular"
+    """"regular": token-level PPO-clip; "gspo": one ratio per sequence (GSPO). GSPO's
+    ratios stay near 1, so set eps_clip_low/high far tighter (the paper: 3e-4/4e-4)."""
     eps_clip_low: float = 0.2
     eps_clip_high: float = 0.2
     clip_ratio_c: float | None = None
-    """Dual-clip bound for negative advantages (> 1); None turns dual clip off."""
+    """Dual-clip bound for negative advantages (> 1); None turns dual clip off.
+    Regular loss only."""
     loss_reduction: Literal["token_mean"] = "token_mean"
     use_tis: bool = False
     """Truncated importance sampling against the rollout logprobs."""

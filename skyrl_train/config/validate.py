@@ -10,15 +10,25 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import typing
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import skyrl_gym  # importing it registers the built-in environments
 from inference.models.architecture import MoEArchitecture
+from skyrl_train.algorithms.advantages import GROUPED_ESTIMATORS
 from skyrl_train.config.model_source import model_architecture
-from skyrl_train.config.schema import MegatronConfig, ModelConfig, PPOConfig, SamplingParamsConfig
+from skyrl_train.config.schema import (
+    AlgorithmConfig,
+    MegatronConfig,
+    ModelConfig,
+    PPOConfig,
+    SamplingParamsConfig,
+)
 from skyrl_train.errors import ConfigValidationError
+
+_ALGORITHM_HINTS = typing.get_type_hints(AlgorithmConfig)
 
 # TransformerConfig fields the pipeline sets itself. Setting them in
 # transformer_config_kwargs would either fight megatron_config or break the
@@ -187,11 +197,12 @@ def _check_data(cfg: PPOConfig) -> None:
 def _check_generator(cfg: PPOConfig, arch: MoEArchitecture) -> None:
     gen = cfg.generator
     _at_least(gen.n_samples_per_prompt, 1, "generator.n_samples_per_prompt")
-    if cfg.trainer.algorithm.advantage_estimator == "grpo" and gen.n_samples_per_prompt < 2:
+    estimator = cfg.trainer.algorithm.advantage_estimator
+    if estimator in GROUPED_ESTIMATORS and gen.n_samples_per_prompt < 2:
         raise ConfigValidationError(
             "generator.n_samples_per_prompt",
-            f"expected >= 2 for GRPO (a group of one has no baseline, so every advantage "
-            f"is 0), got {gen.n_samples_per_prompt}",
+            f"expected >= 2 for advantage_estimator {estimator!r} (a group of one has no "
+            f"baseline, so every advantage is 0), got {gen.n_samples_per_prompt}",
         )
     _at_least(gen.max_turns, 1, "generator.max_turns")
     _at_least(gen.max_tokens_per_turn, 1, "generator.max_tokens_per_turn")
@@ -289,6 +300,19 @@ def _check_trainer(cfg: PPOConfig) -> None:
             )
 
     alg, a = tr.algorithm, "trainer.algorithm"
+    # The loader already refuses other values; a config built in Python is checked here.
+    for name in ("advantage_estimator", "policy_loss_type", "loss_reduction"):
+        allowed = list(typing.get_args(_ALGORITHM_HINTS[name]))
+        if getattr(alg, name) not in allowed:
+            raise ConfigValidationError(
+                f"{a}.{name}", f"expected one of {allowed}, got {getattr(alg, name)!r}"
+            )
+    if alg.policy_loss_type == "gspo" and alg.clip_ratio_c is not None:
+        raise ConfigValidationError(
+            f"{a}.clip_ratio_c",
+            f"expected null with policy_loss_type 'gspo' (dual clip is a regular-loss "
+            f"option), got {alg.clip_ratio_c}",
+        )
     _finite(alg.advantage_eps, f"{a}.advantage_eps", low=0.0)
     for name in ("eps_clip_low", "eps_clip_high"):
         value = getattr(alg, name)

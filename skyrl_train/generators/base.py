@@ -42,3 +42,7 @@ class GeneratorOutput:
     """Per trajectory an integer array ``[rows, layers, topk]``: row t is the routing
     of token t of prompt+response when it was fed as input, for t < rows. Tokens at
     or beyond ``rows`` were never routed (the last token, say). None when R3 is off."""
+    solved: list[bool | None] | None = None
+    """Per trajectory whether its episode was solved: True when a step's metadata said
+    ``solved: True``, False when steps reported ``solved`` but never True, None when
+    its environment never reported it. The whole field is None when none did."""

@@ -89,6 +89,8 @@ class _Trajectory:
     turns: int = 0
     stop_reason: str = STOP_MAX_TURNS
     length_finishes: int = 0
+    solved: bool | None = None
+    """None until a step's metadata reports ``solved``; then True once any step did."""
     trace: RoutedExpertTrace | None = None
     routes: np.ndarray | None = None
 
@@ -205,6 +207,8 @@ class GymGenerator:
             traj.length_finishes += result.finish_reason == "length"
             step = env.step(self.tokenizer.decode(generated, skip_special_tokens=True))
             traj.reward += float(step.reward)
+            if "solved" in step.metadata:
+                traj.solved = bool(traj.solved) or bool(step.metadata["solved"])
             if step.done:
                 traj.stop_reason = STOP_DONE
                 break
@@ -273,6 +277,7 @@ class GymGenerator:
             token_rewards.append(row)
         with_logprobs = all(t.logprobs is not None for t in trajs)
         routes = [t.routes for t in trajs] if self.config.return_routed_experts else None
+        reported = any(t.solved is not None for t in trajs)
         return GeneratorOutput(
             prompt_token_ids=[t.prompt_ids for t in trajs],
             response_ids=[t.response_ids for t in trajs],
@@ -283,6 +288,7 @@ class GymGenerator:
             rollout_metrics=_metrics(trajs, wall_s=wall_s),
             rollout_logprobs=[t.logprobs for t in trajs] if with_logprobs else None,  # type: ignore[misc]
             routed_experts=routes,  # type: ignore[arg-type]
+            solved=[t.solved for t in trajs] if reported else None,
         )
 
 

@@ -25,7 +25,12 @@ import numpy as np
 from tqdm.auto import tqdm
 
 import skyrl_gym
-from skyrl_train.algorithms import compute_grpo_advantages, contiguous_groups
+from skyrl_train.algorithms import (
+    compute_advantages,
+    contiguous_groups,
+    success_rate,
+    zero_variance_group_fraction,
+)
 from skyrl_train.config.schema import PPOConfig
 from skyrl_train.dataset.preprocess import convert_to_training_batch
 from skyrl_train.dataset.prompts import PromptDatasets, load_datasets, sample_step
@@ -43,7 +48,12 @@ from skyrl_train.utils.tracking import MetricsTracker, format_metrics_line
 
 LINE_KEYS = (
     ("reward/mean", "reward"),
+    ("reward/success_rate", "success"),
     ("eval/reward_mean", "eval_reward"),
+    ("eval/success_rate", "eval_success"),
+    ("policy/entropy", "entropy"),
+    ("advantage/zero_variance_group_frac", "zero_var"),
+    ("policy/clip_fraction", "clip_frac"),
     ("response_length/mean", "resp_len"),
     ("generate/mean_turns", "turns"),
     ("r3/router_agreement_native", "agree_native"),
@@ -162,19 +172,27 @@ class GRPOLoop:
         generated = time.perf_counter()
         batch = convert_to_training_batch(output, pad_token_id=self.pad_token_id)
         algo = cfg.trainer.algorithm
-        advantages = compute_grpo_advantages(
+        groups = contiguous_groups(batch.batch_size, n)
+        advantages = compute_advantages(
+            algo.advantage_estimator,
             batch.rewards,
             batch.loss_mask,
-            contiguous_groups(batch.batch_size, n),
+            groups,
             norm_by_std=algo.norm_adv_by_std_in_grpo,
             eps=algo.advantage_eps,
-        ).advantages
+        )
+        signals: dict[str, float] = {}
+        if n >= 2:  # with one sample a prompt every group is trivially flat
+            signals["advantage/zero_variance_group_frac"] = zero_variance_group_fraction(
+                batch.rewards, groups
+            )
         collated = time.perf_counter()
         # Raises NonFiniteError on a NaN/inf loss, grad norm or weight: nothing is pushed.
         metrics = dict(await self.policy.train(batch, advantages, step=step))
         trained = time.perf_counter()
         metrics.update(await self.policy.push_weights(self.server_urls, api_key=self.api_key))
         synced = time.perf_counter()
+        metrics.update(signals)
         metrics.update(_rollout_metrics(output))
         sources = [task.data_source for task in tasks for _ in range(n)]
         if len(set(sources)) > 1:
@@ -191,11 +209,15 @@ class GRPOLoop:
         return metrics
 
     async def evaluate(self, clients: list[Any]) -> dict[str, float]:
-        """Greedy rollouts of every held-out prompt: the mean reward, and per data source."""
+        """Greedy rollouts of every held-out prompt: the mean reward (and per data
+        source) and, when the environments report ``solved``, the success rate."""
         tasks = self.datasets.eval
         generator = GymGenerator(clients, self.tokenizer, self.eval_config)
         output = await generator.generate(self._input(tasks, 1))
         metrics = {"eval/reward_mean": float(np.mean(output.rewards))}
+        solved = success_rate(output.solved or [])
+        if solved is not None:
+            metrics["eval/success_rate"] = solved
         sources = [task.data_source for task in tasks]
         metrics.update(_reward_by_source("eval/reward_mean", sources, output.rewards))
         return metrics
@@ -262,5 +284,8 @@ def _rollout_metrics(output: GeneratorOutput) -> dict[str, float]:
         "response_length/mean": float(lengths.mean()),
         "response_length/max": float(lengths.max()),
     }
+    solved = success_rate(output.solved or [])
+    if solved is not None:  # absent when no environment reports ``solved``
+        metrics["reward/success_rate"] = solved
     metrics.update({k: float(v) for k, v in output.rollout_metrics.items()})
     return metrics

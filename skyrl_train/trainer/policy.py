@@ -27,7 +27,12 @@ import numpy as np
 import torch
 
 from inference.models.checkpoint import inspect_checkpoint
-from skyrl_train.algorithms import logprob_mismatch, ppo_policy_loss
+from skyrl_train.algorithms import (
+    gspo_policy_loss,
+    logprob_mismatch,
+    mean_token_entropy,
+    ppo_policy_loss,
+)
 from skyrl_train.config.schema import PPOConfig
 from skyrl_train.dataset.batch import TrainingBatch
 from skyrl_train.errors import CheckpointError, ConfigValidationError
@@ -174,8 +179,14 @@ class PolicyTrainer:
             micro_batch_size=t.micro_forward_batch_size_per_gpu,
             replay_routes=replay,
             capture_routes=has_routes,
+            entropy=True,
         )
-        metrics: dict[str, float] = {}
+        # num_tokens weighs each rank's policy/* means (entropy, clip fraction) when the
+        # ranks' metrics combine: both are means over the policy's own tokens.
+        metrics: dict[str, float] = {"policy/num_tokens": float(batch.loss_mask.sum())}
+        if as_trained.entropy is not None:
+            # Over the policy's own tokens only (loss mask), not prompt or observations.
+            metrics["policy/entropy"] = mean_token_entropy(as_trained.entropy, batch.loss_mask)
         if has_routes:
             native = as_trained
             if replay:
@@ -229,7 +240,10 @@ class PolicyTrainer:
         micro = t.micro_train_batch_size_per_gpu
         losses: list[float] = []
         grad_norms: list[float] = []
-        clip_fracs: list[float] = []
+        # (clipped tokens, loss tokens) per microbatch: the step's clip fraction is a
+        # token mean, so one rank and two ranks report the same fraction (a mean of
+        # microbatch fractions over-weights short microbatches).
+        clip_counts: list[tuple[float, float]] = []
         tis_means: list[float] = []
         for _ in range(t.update_epochs_per_batch):
             for k, start in enumerate(range(0, batch.batch_size, mini)):
@@ -246,44 +260,63 @@ class PolicyTrainer:
                 # mini-batch is split across microbatches and ranks.
                 tokens = max(global_tokens, 1.0) / (num_micro * dp)
 
-                loss_fn = self._loss_fn(tokens, clip_fracs, tis_means)
+                loss_fn = self._loss_fn(tokens, clip_counts, tis_means)
                 result = self.worker.train_step(
                     part, loss_fn=loss_fn, micro_batch_size=micro, replay_routes=replay
                 )
                 where = f"rank {self.info.rank}, optimizer step {len(grad_norms) + 1}"
                 require_finite(result.loss, quantity="train/policy_loss", step=step, where=where)
                 require_finite(result.grad_norm, quantity="train/grad_norm", step=step, where=where)
-                losses.append(result.loss * num_micro)
+                # The worker returns the mean of its microbatch losses, each already
+                # scaled by num_micro * dp over the global token count: that mean is
+                # this shard's share of the mini-batch token mean (the whole mean on
+                # one rank, and the ranks' row-weighted mean across ranks).
+                losses.append(result.loss)
                 grad_norms.append(result.grad_norm)
         metrics = {
             "train/policy_loss": float(np.mean(losses)),
             "train/grad_norm": float(np.mean(grad_norms)),
-            "train/clip_fraction": float(np.mean(clip_fracs)),
+            # Weighted across ranks by policy/num_tokens (data_parallel.combine_rank_metrics).
+            "policy/clip_fraction": sum(c for c, _ in clip_counts)
+            / max(sum(n for _, n in clip_counts), 1.0),
             "train/optimizer_steps": float(len(grad_norms)),
         }
         if tis_means:
             metrics["train/tis_weight_mean"] = float(np.mean(tis_means))
         return metrics
 
-    def _loss_fn(self, tokens: float, clip_fracs: list[float], tis_means: list[float]) -> Any:
+    def _loss_fn(
+        self, tokens: float, clip_counts: list[tuple[float, float]], tis_means: list[float]
+    ) -> Any:
         algo = self.cfg.trainer.algorithm
 
         def loss_fn(logprobs: torch.Tensor, mb: TrainingBatch) -> torch.Tensor:
             assert mb.old_logprobs is not None and mb.advantages is not None
             use_tis = algo.use_tis and mb.rollout_logprobs is not None
-            out = ppo_policy_loss(
-                logprobs,
-                mb.old_logprobs,
-                mb.advantages,
-                mb.loss_mask,
+            common: dict[str, Any] = dict(
                 eps_clip_low=algo.eps_clip_low,
                 eps_clip_high=algo.eps_clip_high,
-                clip_ratio_c=algo.clip_ratio_c,
                 rollout_logprobs=mb.rollout_logprobs if use_tis else None,
                 tis_imp_ratio_cap=algo.tis_imp_ratio_cap if use_tis else None,
                 denominator=tokens,
             )
-            clip_fracs.append(out.metrics["clip_fraction"])
+            if algo.policy_loss_type == "gspo":
+                # GSPO's sequence ratio needs whole sequences: microbatches split rows,
+                # never a row, so each row's mean log-ratio is complete here.
+                out = gspo_policy_loss(
+                    logprobs, mb.old_logprobs, mb.advantages, mb.loss_mask, **common
+                )
+            else:
+                out = ppo_policy_loss(
+                    logprobs,
+                    mb.old_logprobs,
+                    mb.advantages,
+                    mb.loss_mask,
+                    clip_ratio_c=algo.clip_ratio_c,
+                    **common,
+                )
+            count = out.metrics["num_tokens"]
+            clip_counts.append((out.metrics["clip_fraction"] * count, count))
             if "tis_weight_mean" in out.metrics:
                 tis_means.append(out.metrics["tis_weight_mean"])
             return out.loss

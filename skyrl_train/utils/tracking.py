@@ -11,9 +11,22 @@ import orjson
 
 from skyrl_train.utils.durable import replace_file
 
-# The figures other R3 systems publish, one panel each in the end-of-run plot.
+# One panel each in the end-of-run plot: what the run learns (reward, success, the
+# learning signals), then the figures other R3 systems publish.
 PLOT_PANELS: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = (
     ("reward", (("reward/mean", "train"), ("eval/reward_mean", "eval (greedy)"))),
+    (
+        "success rate (solved episodes)",
+        (("reward/success_rate", "train"), ("eval/success_rate", "eval (greedy)")),
+    ),
+    ("policy entropy (nats/token)", (("policy/entropy", "response tokens"),)),
+    (
+        "flat groups and clipped tokens (share)",
+        (
+            ("advantage/zero_variance_group_frac", "groups with equal rewards"),
+            ("policy/clip_fraction", "clipped tokens"),
+        ),
+    ),
     (
         "router agreement with the rollout",
         (
@@ -138,8 +151,12 @@ def format_metrics_line(
     return " ".join(parts)
 
 
+PLOT_COLUMNS = 3
+
+
 def plot_metrics(path: str | Path, out_png: str | Path) -> Path:
-    """Reward, router agreement and logprob mismatch per step, one panel each."""
+    """``PLOT_PANELS`` per step (reward, success, entropy, flat groups and clipping,
+    router agreement, logprob mismatch), ``PLOT_COLUMNS`` panels a row."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -147,8 +164,14 @@ def plot_metrics(path: str | Path, out_png: str | Path) -> Path:
 
     rows = read_metrics(path)
     steps = [row["step"] for row in rows]
-    fig, axes = plt.subplots(1, len(PLOT_PANELS), figsize=(5 * len(PLOT_PANELS), 4))
-    for ax, (title, series) in zip(axes, PLOT_PANELS, strict=True):
+    rows_of_panels = -(-len(PLOT_PANELS) // PLOT_COLUMNS)
+    fig, grid = plt.subplots(
+        rows_of_panels, PLOT_COLUMNS, figsize=(5 * PLOT_COLUMNS, 4 * rows_of_panels), squeeze=False
+    )
+    axes = list(grid.flat)
+    for ax in axes[len(PLOT_PANELS) :]:
+        ax.set_visible(False)
+    for ax, (title, series) in zip(axes, PLOT_PANELS, strict=False):
         for key, label in series:
             points = [
                 (s, row[key])

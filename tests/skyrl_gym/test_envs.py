@@ -87,6 +87,11 @@ def test_guess_number_rewards_format_and_solving():
     total, outs = run("guess_number", ["hello", "7"], target=7)
     assert outs[0].observations == [{"role": "user", "content": "digit?"}]
     assert total == pytest.approx(1.0 - 0.5 / 4)
+    # Every step reports `solved` (the success rate counts bad-reply episodes too).
+    assert [(o.metadata["valid"], o.metadata["solved"]) for o in outs] == [
+        (False, False),
+        (True, True),
+    ]
     # Never solving, all well formed: format credit only, done at max_turns.
     total, outs = run("guess_number", ["0", "0", "0", "0"], target=7, max_turns=4)
     assert total == pytest.approx(0.5) and outs[-1].done and len(outs) == 4

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from skyrl_train.algorithms.signals import token_entropy
 from skyrl_train.dataset.batch import TrainingBatch
 
 
@@ -88,6 +89,27 @@ def response_logprobs(
     logits: torch.Tensor, layout: ContiguousBatch, response_mask: torch.Tensor
 ) -> torch.Tensor:
     """[B, R] fp32 logprob of each response token (0 where ``response_mask`` is 0)."""
+    log_probs, targets = _response_log_softmax(logits, layout, response_mask)
+    logprobs = log_probs.gather(2, targets[:, :, None]).squeeze(2)
+    return logprobs * response_mask.to(logprobs.device, logprobs.dtype)
+
+
+def response_logprobs_and_entropy(
+    logits: torch.Tensor, layout: ContiguousBatch, response_mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``response_logprobs`` and, from the same log-softmax, the [B, R] fp32 entropy of
+    the full next-token distribution at each response position (0 where masked)."""
+    log_probs, targets = _response_log_softmax(logits, layout, response_mask)
+    mask = response_mask.to(log_probs.device, log_probs.dtype)
+    logprobs = log_probs.gather(2, targets[:, :, None]).squeeze(2) * mask
+    return logprobs, token_entropy(log_probs) * mask
+
+
+def _response_log_softmax(
+    logits: torch.Tensor, layout: ContiguousBatch, response_mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """[B, R, V] fp32 log-softmax of the logits that predict each response token, and
+    the [B, R] target ids."""
     num_actions = response_mask.shape[1]
     seq = layout.tokens.shape[1]
     target_pos = (layout.prompt_lens[:, None] + torch.arange(num_actions)[None, :]).clamp(
@@ -98,8 +120,7 @@ def response_logprobs(
         1, source_pos[:, :, None].expand(-1, -1, logits.shape[-1]).to(logits.device)
     ).float()
     targets = layout.tokens.gather(1, target_pos).to(logits.device)
-    logprobs = torch.log_softmax(picked, dim=-1).gather(2, targets[:, :, None]).squeeze(2)
-    return logprobs * response_mask.to(logprobs.device, logprobs.dtype)
+    return torch.log_softmax(picked, dim=-1), targets
 
 
 def map_tensors(batch: TrainingBatch, fn: Callable[[torch.Tensor], torch.Tensor]) -> TrainingBatch:

@@ -30,6 +30,7 @@ from skyrl_train.workers.megatron.layout import (
     batch_to,
     make_contiguous,
     response_logprobs,
+    response_logprobs_and_entropy,
     shift_rows,
     slice_batch,
 )
@@ -62,6 +63,9 @@ class ForwardResult:
     routes: torch.Tensor | None = None
     """[B, S, L_local_moe, K] experts each local router dispatched to (ascending ids), in
     the batch's own layout; only when ``capture_routes=True``. Padding rows are arange(K)."""
+    entropy: torch.Tensor | None = None
+    """[B, R] fp32 entropy (nats) of the model's full next-token distribution at each
+    response position, 0 where response_mask is 0; only when ``entropy=True``."""
 
 
 @dataclass
@@ -152,24 +156,32 @@ class MegatronPolicyWorker:
         replay_routes: bool | None = None,
         capture_routes: bool = False,
         trajectory_ids: Sequence[str] | None = None,
+        entropy: bool = False,
     ) -> ForwardResult:
         """Response logprobs ``[B, R]`` without gradient, microbatch by microbatch.
 
         ``replay_routes=None`` replays when the config enables it and the batch has routes.
+        ``entropy=True`` also returns each response position's full-vocabulary entropy.
         """
         model = self._require_model()
         do_replay = self._check_replay(batch, replay_routes, trajectory_ids)
-        logprobs, routes = [], []
+        logprobs, entropies, routes = [], [], []
         model.eval()
         with torch.no_grad():
             for mb in self._microbatches(batch, micro_batch_size):
                 layout = make_contiguous(mb, pad_token_id=self.pad_token_id)
-                lp, captured = self._forward_micro(mb, layout, do_replay, capture_routes)
+                lp, ent, captured = self._forward_micro(
+                    mb, layout, do_replay, capture_routes, entropy
+                )
                 logprobs.append(lp)
+                if ent is not None:
+                    entropies.append(ent)
                 if captured is not None:
                     routes.append(captured)
         return ForwardResult(
-            logprobs=torch.cat(logprobs), routes=torch.cat(routes) if capture_routes else None
+            logprobs=torch.cat(logprobs),
+            routes=torch.cat(routes) if capture_routes else None,
+            entropy=torch.cat(entropies) if entropy else None,
         )
 
     def forward_logprobs(self, batch: TrainingBatch, **options: Any) -> torch.Tensor:
@@ -349,8 +361,13 @@ class MegatronPolicyWorker:
         )
 
     def _forward_micro(
-        self, mb: TrainingBatch, layout: ContiguousBatch, do_replay: bool, capture: bool
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        self,
+        mb: TrainingBatch,
+        layout: ContiguousBatch,
+        do_replay: bool,
+        capture: bool,
+        entropy: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         rows, seq = layout.tokens.shape
         with self._replay_or_nothing(layout, do_replay):
             if capture:
@@ -359,7 +376,10 @@ class MegatronPolicyWorker:
                 routes = self._to_batch_layout(torch.stack(got, dim=2), layout)
             else:
                 logits, routes = self._logits(layout), None
-        return response_logprobs(logits, layout, mb.response_mask).cpu(), routes
+        if not entropy:
+            return response_logprobs(logits, layout, mb.response_mask).cpu(), None, routes
+        logprobs, ent = response_logprobs_and_entropy(logits, layout, mb.response_mask)
+        return logprobs.cpu(), ent.cpu(), routes
 
     def _to_batch_layout(self, routes: torch.Tensor, layout: ContiguousBatch) -> torch.Tensor:
         filler = torch.arange(routes.shape[-1], dtype=routes.dtype)

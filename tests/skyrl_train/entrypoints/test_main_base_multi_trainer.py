@@ -192,7 +192,7 @@ def test_two_ranks_take_the_update_one_rank_takes(
     for key in (
         "train/policy_loss",
         "train/grad_norm",
-        "train/clip_fraction",
+        "policy/clip_fraction",
         "train/num_rows",
         "mismatch_trained/num_tokens",
         "r3/num_token_layers",

@@ -354,3 +354,47 @@ def test_bad_inputs_fail_before_any_request(tokenizer):
     with pytest.raises(ValueError, match="expected env_names and env_extras of length 2"):
         run(gen.generate(GeneratorInput([[], []], ["guess_number"])))
     assert wrapper.calls == []
+
+
+class SolveEnv(skyrl_gym.Env):
+    """Solved at turn ``solve_on`` (-1: never); ``report=False`` never says ``solved``."""
+
+    name = "gen_test_solve"
+    max_turns = 3
+
+    def __init__(self, *, solve_on: int = -1, report: bool = True) -> None:
+        super().__init__()
+        self.solve_on, self.report = solve_on, report
+
+    def _step(self, action: str, turn: int) -> skyrl_gym.StepOutput:
+        solved = turn == self.solve_on
+        metadata = {"solved": solved} if self.report else {}
+        return skyrl_gym.StepOutput([{"role": "user", "content": "no"}], 0.0, solved, metadata)
+
+
+class ScriptedClient:
+    """No server: every request gets the same two tokens back."""
+
+    async def generate(self, **kwargs: Any) -> Any:
+        from types import SimpleNamespace
+
+        return SimpleNamespace(
+            response_ids=[65, 66], logprobs=[-0.5, -0.5], finish_reason="stop", routed_experts=None
+        )
+
+
+def test_solved_comes_from_step_metadata(tokenizer):
+    skyrl_gym.register("gen_test_solve", SolveEnv)
+    try:
+        gen = GymGenerator(ScriptedClient(), tokenizer, config(return_routed_experts=False))
+        extras = [{"solve_on": 1}, {"solve_on": -1}, {"report": False}]
+        prompt = [{"role": "user", "content": "go"}]
+        out = run(gen.generate(GeneratorInput([prompt] * 3, ["gen_test_solve"] * 3, extras)))
+        # solved on its second turn (after an unsolved one); never; never reported
+        assert out.solved == [True, False, None]
+        assert [len(m) - sum(m) > 0 for m in out.loss_masks] == [True, True, True]
+        silent = [{"report": False}] * 2
+        out = run(gen.generate(GeneratorInput([prompt] * 2, ["gen_test_solve"] * 2, silent)))
+        assert out.solved is None
+    finally:
+        skyrl_gym.unregister("gen_test_solve")

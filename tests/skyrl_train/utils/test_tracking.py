@@ -6,6 +6,7 @@ import math
 from pathlib import Path
 
 from skyrl_train.utils.tracking import (
+    PLOT_PANELS,
     MetricsTracker,
     format_metrics_line,
     plot_metrics,
@@ -42,7 +43,26 @@ def test_plot_is_written_as_png(tmp_path: Path) -> None:
                 "r3/router_agreement_trained": 1.0,
                 "r3/router_agreement_native": 0.99,
                 "mismatch_trained/mean_abs_logp_diff": 1e-3,
+                "reward/success_rate": step / 4,
+                "policy/entropy": 3.0 - step / 2,
+                "advantage/zero_variance_group_frac": 0.25,
+                "policy/clip_fraction": 0.01,
             },
         )
     out = plot_metrics(tmp_path / "metrics.jsonl", tmp_path / "metrics.png")
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_every_learning_signal_has_a_plot_series_and_a_line_label() -> None:
+    from skyrl_train.trainer.loop import LINE_KEYS
+
+    plotted = {key for _, series in PLOT_PANELS for key, _ in series}
+    labelled = {key for key, _ in LINE_KEYS}
+    for key in (
+        "reward/success_rate",
+        "eval/success_rate",
+        "policy/entropy",
+        "advantage/zero_variance_group_frac",
+        "policy/clip_fraction",
+    ):
+        assert key in plotted and key in labelled, key

@@ -115,6 +115,26 @@ def test_left_padded_logprobs_match_hf_on_unpadded_rows(worker, hf_model) -> Non
     assert torch.all(got[batch.response_mask == 0] == 0)
 
 
+def test_forward_entropy_matches_hf_on_response_positions(worker, hf_model) -> None:
+    worker.load_weights(hf_model.state_dict().items())
+    batch = _text_batch()
+    result = worker.forward(batch, micro_batch_size=2, entropy=True)
+    assert result.entropy is not None and result.entropy.shape == (3, 5)
+    assert torch.equal(result.logprobs, worker.forward_logprobs(batch, micro_batch_size=2))
+    width = batch.sequences.shape[1] - batch.num_actions
+    with torch.no_grad():
+        for b in range(batch.batch_size):
+            real = batch.attention_mask[b].bool()
+            tokens = batch.sequences[b][real][None]
+            prompt_len = int(real[:width].sum())
+            count = int(batch.response_mask[b].sum())
+            logp = torch.log_softmax(hf_model(tokens).logits[0].float(), dim=-1)
+            ref = -(logp.exp() * logp).sum(-1)[prompt_len - 1 : prompt_len - 1 + count]
+            assert (result.entropy[b, :count] - ref).abs().max().item() <= 1e-4
+    assert torch.all(result.entropy[batch.response_mask == 0] == 0)
+    assert worker.forward(batch).entropy is None
+
+
 def test_replay_forces_the_given_experts_and_router_still_learns(worker, hf_model) -> None:
     worker.load_weights(hf_model.state_dict().items())
     plain = _text_batch()

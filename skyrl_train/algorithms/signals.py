@@ -1,0 +1,57 @@
+"""Per-step learning signals: policy entropy, flat groups, success rate.
+
+They answer "is this run still learning?": entropy falling to ~0 means the policy has
+collapsed onto one answer; a share of flat groups near 1 means GRPO/RLOO see no
+gradient (every sample of a prompt scored the same); success separates solving the
+task from earning its format reward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+
+import torch
+
+from skyrl_train.algorithms._common import as_float_mask, check_tensor, masked_mean
+from skyrl_train.algorithms.advantages import flat_groups, group_index
+
+
+def token_entropy(log_probs: torch.Tensor) -> torch.Tensor:
+    """Entropy in nats of each distribution over the last dim, from log-softmax output
+    ``[..., V]``: -sum p log p. Tokens with p == 0 (log p = -inf) add 0, not NaN."""
+    finite = torch.where(torch.isfinite(log_probs), log_probs, torch.zeros_like(log_probs))
+    return -(log_probs.exp() * finite).sum(dim=-1)
+
+
+def mean_token_entropy(entropy: torch.Tensor, loss_mask: torch.Tensor) -> float:
+    """Mean of per-token ``entropy`` ``[B, R]`` over loss-active tokens only: the
+    policy's own tokens, not prompt or observation tokens (0.0 when there are none)."""
+    entropy = check_tensor(entropy, "entropy", ndim=2)
+    mask = as_float_mask(loss_mask, "loss_mask", shape=entropy.shape, ref_name="entropy")
+    return float(masked_mean(entropy.detach().float(), mask))
+
+
+def zero_variance_group_fraction(
+    rewards: torch.Tensor, group_ids: Sequence[Hashable] | torch.Tensor
+) -> float:
+    """Share of groups whose rewards are all equal (a group of one included): under
+    GRPO and RLOO their advantages are exactly 0, so they add no gradient."""
+    rewards = check_tensor(rewards, "rewards", ndim=1)
+    group, num_groups = group_index(group_ids)
+    if group.shape[0] != rewards.shape[0]:
+        raise ValueError(
+            f"group_ids: expected {rewards.shape[0]} ids (one per reward), got {group.shape[0]}"
+        )
+    if num_groups == 0:
+        return 0.0
+    flat = flat_groups(rewards.to(torch.float64), group, num_groups)
+    return float(flat.sum()) / num_groups
+
+
+def success_rate(solved: Sequence[bool | None]) -> float | None:
+    """Share of solved episodes among the trajectories whose environment reported
+    ``solved``; None when none did (the environment has no notion of success)."""
+    reported = [bool(s) for s in solved if s is not None]
+    if not reported:
+        return None
+    return sum(reported) / len(reported)

@@ -1,0 +1,52 @@
+"""Per-step learning signals on constructed inputs: entropy, flat groups, success."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from skyrl_train.algorithms import (
+    contiguous_groups,
+    mean_token_entropy,
+    success_rate,
+    token_entropy,
+    zero_variance_group_fraction,
+)
+
+
+def test_token_entropy_in_nats() -> None:
+    log_probs = torch.log_softmax(torch.zeros(2, 3, 8), dim=-1)
+    assert torch.allclose(token_entropy(log_probs), torch.full((2, 3), math.log(8)))
+    two_way = torch.log(torch.tensor([0.5, 0.5, 0.0, 0.0]))  # log 0 = -inf: adds 0, not NaN
+    assert token_entropy(two_way).item() == pytest.approx(math.log(2))
+    assert token_entropy(torch.log_softmax(torch.tensor([0.0, -math.inf]), -1)).item() == 0.0
+
+
+def test_entropy_mean_counts_loss_active_tokens_only() -> None:
+    # Generated tokens have entropy ln 2, observation tokens (loss mask 0) ln 16 and
+    # padding garbage; only the generated ones may count.
+    entropy = torch.tensor([[math.log(2), math.log(16), math.log(2)], [math.log(16), 9.0, 9.0]])
+    loss_mask = torch.tensor([[1, 0, 1], [0, 0, 0]])
+    assert mean_token_entropy(entropy, loss_mask) == pytest.approx(math.log(2))
+    assert mean_token_entropy(entropy, torch.zeros(2, 3)) == 0.0
+    with pytest.raises(ValueError, match="^loss_mask:"):
+        mean_token_entropy(entropy, torch.ones(2, 2))
+
+
+def test_zero_variance_groups_are_counted() -> None:
+    rewards = torch.tensor([1.0, 0.0, 0.5, 0.5, 0.1, 0.1, 0.0, 2.0])
+    # groups: {1, 0} varies, {0.5, 0.5} flat, {0.1, 0.1} flat, {0, 2} varies
+    assert zero_variance_group_fraction(rewards, contiguous_groups(8, 2)) == 0.5
+    assert zero_variance_group_fraction(torch.ones(4), [0, 0, 0, 0]) == 1.0
+    assert zero_variance_group_fraction(torch.tensor([0.0, 1.0]), ["a", "b"]) == 1.0  # singletons
+    with pytest.raises(ValueError, match="^group_ids:"):
+        zero_variance_group_fraction(torch.ones(3), [0, 0])
+
+
+def test_success_rate_over_reporting_trajectories() -> None:
+    assert success_rate([True, False, False, True]) == 0.5
+    assert success_rate([True, None, False]) == 0.5  # None: that environment never said
+    assert success_rate([None, None]) is None
+    assert success_rate([]) is None

@@ -1,0 +1,161 @@
+"""GRPOLoop logs the learning signals (entropy, flat groups, clip fraction, success)
+in metrics.jsonl and the per-step line, finite, for every advantage estimator: a run
+of PolicyTrainer on a stand-in worker with fixed rollouts (no Ray, no servers)."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from skyrl_train.config.loader import load_config
+from skyrl_train.dataset.batch import TrainingBatch
+from skyrl_train.generators.base import GeneratorOutput
+from skyrl_train.trainer import loop as loop_module
+from skyrl_train.trainer.loop import LINE_KEYS, GRPOLoop
+from skyrl_train.trainer.policy import PolicyTrainer
+from skyrl_train.utils.tracking import read_metrics
+from skyrl_train.workers.megatron.worker import ForwardResult, TrainStepResult
+
+N_SAMPLES, PROMPTS = 2, 2
+SIGNALS = (
+    "policy/entropy",
+    "advantage/zero_variance_group_frac",
+    "policy/clip_fraction",
+    "reward/success_rate",
+    "eval/success_rate",
+)
+
+
+class ConstantWorker:
+    """Logprobs -1 everywhere, entropy 0.5 on every response position."""
+
+    def __init__(self) -> None:
+        self.model = torch.nn.Linear(1, 1)
+        self.advantages: list[torch.Tensor] = []
+
+    def forward(self, batch: TrainingBatch, *, entropy: bool = False, **options: Any) -> Any:
+        mask = batch.response_mask.float()
+        return ForwardResult(logprobs=-mask, entropy=0.5 * mask if entropy else None)
+
+    def train_step(self, batch: TrainingBatch, *, loss_fn: Any, **options: Any) -> Any:
+        assert batch.advantages is not None
+        self.advantages.append(batch.advantages.clone())
+        logprobs = -batch.response_mask.float().requires_grad_()
+        loss = loss_fn(logprobs, batch)
+        return TrainStepResult(
+            loss=float(loss.detach()), grad_norm=0.1, num_microbatches=1, replayed=False
+        )
+
+
+class Policy:
+    def __init__(self, trainer: PolicyTrainer) -> None:
+        self.trainer = trainer
+
+    async def train(self, batch: TrainingBatch, advantages: torch.Tensor, *, step: int) -> Any:
+        return self.trainer.train(dataclasses.replace(batch, advantages=advantages), step=step)
+
+    async def push_weights(self, urls: list[str], *, api_key: str | None = None) -> Any:
+        return {}
+
+
+class SolvedGenerator:
+    """Group 0 scores (1, 0) with one solved episode; group 1 scores (0.2, 0.2): flat.
+    The response holds an observation token (loss mask 0) between generated ones."""
+
+    def __init__(self, *args: object) -> None:
+        pass
+
+    async def generate(self, inputs: Any) -> GeneratorOutput:
+        rows = len(inputs.prompts)
+        rewards = [1.0, 0.0, 0.2, 0.2][:rows]  # eval (2 prompts, 1 sample): 1, 0
+        return GeneratorOutput(
+            prompt_token_ids=[[1, 2, 3]] * rows,
+            response_ids=[[4, 5, 6]] * rows,
+            loss_masks=[[1, 0, 1]] * rows,
+            rewards=rewards,
+            token_rewards=[[0.0, 0.0, r] for r in rewards],
+            stop_reasons=["done"] * rows,
+            rollout_metrics={},
+            solved=[r == 1.0 for r in rewards],
+        )
+
+
+def _run(tmp_path: Path, estimator: str) -> tuple[list[dict[str, Any]], list[str], Any]:
+    cfg = load_config(
+        [
+            f"trainer.run_dir={tmp_path}",
+            f"trainer.train_batch_size={PROMPTS}",
+            f"trainer.policy_mini_batch_size={PROMPTS}",
+            f"generator.n_samples_per_prompt={N_SAMPLES}",
+            f"trainer.algorithm.advantage_estimator={estimator}",
+            "trainer.num_steps=2",
+            "trainer.eval_interval=2",
+            "trainer.eval_batch_size=2",
+            "trainer.ckpt_interval=0",
+            "logging.progress_bar=false",
+            "logging.tensorboard=false",
+        ]
+    )
+    trainer = PolicyTrainer(cfg, checkpoint=str(tmp_path), pad_token_id=0)
+    worker = ConstantWorker()
+    trainer.worker = worker  # type: ignore[assignment]
+    loop = GRPOLoop(
+        cfg,
+        tokenizer=None,
+        server_urls=["http://127.0.0.1:9"],
+        policy=Policy(trainer),
+        pad_token_id=0,
+    )
+    lines: list[str] = []
+    real_write = loop_module.tqdm.write
+    try:
+        loop_module.tqdm.write = lines.append  # type: ignore[method-assign]
+        asyncio.run(loop.run())
+    finally:
+        loop_module.tqdm.write = real_write  # type: ignore[method-assign]
+    return read_metrics(tmp_path / "metrics.jsonl"), lines, worker
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "rloo", "reinforce++"])
+def test_signals_are_logged_and_finite(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, estimator: str
+) -> None:
+    monkeypatch.setattr(loop_module, "GymGenerator", SolvedGenerator)
+    rows, lines, worker = _run(tmp_path, estimator)
+    assert [row["step"] for row in rows] == [1, 2]
+    for row in rows:
+        for key, value in row.items():
+            assert value is None or math.isfinite(value), key
+        assert row["policy/entropy"] == 0.5  # every position 0.5, masked or not
+        assert row["advantage/zero_variance_group_frac"] == 0.5  # group 1 is flat
+        assert row["reward/success_rate"] == 0.25
+        assert 0.0 <= row["policy/clip_fraction"] <= 1.0
+    assert rows[-1]["eval/success_rate"] == 0.5
+    labels = dict(LINE_KEYS)
+    for key in SIGNALS:
+        if key.startswith("eval/"):
+            assert f"{labels[key]}=" in lines[-1]
+        else:
+            assert all(f" {labels[key]}=" in line for line in lines)
+    # The flat group gets no advantage under GRPO and RLOO; REINFORCE++ whitens over
+    # the batch, so it does.
+    flat = worker.advantages[0][2:]
+    assert (flat.abs().sum().item() == 0.0) == (estimator != "reinforce++")
+    assert worker.advantages[0][:, 1].abs().sum().item() == 0.0  # the observation token
+
+
+def test_no_success_rate_without_solved(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    class Unreported(SolvedGenerator):
+        async def generate(self, inputs: Any) -> GeneratorOutput:
+            return dataclasses.replace(await super().generate(inputs), solved=None)
+
+    monkeypatch.setattr(loop_module, "GymGenerator", Unreported)
+    rows, lines, _ = _run(tmp_path, "grpo")
+    assert all("reward/success_rate" not in row and "eval/success_rate" not in row for row in rows)
+    assert all(" success=" not in line for line in lines)

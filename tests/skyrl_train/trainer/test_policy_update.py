@@ -1,0 +1,147 @@
+"""PolicyTrainer's updates on a stand-in worker that keeps MegatronPolicyWorker's
+train_step contract: the logged ``train/policy_loss`` is the mini-batch token mean and
+the gradient that of the token mean, however a mini-batch is cut into microbatches,
+for both loss types; the old-logprob forward's entropy is logged over loss tokens."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from skyrl_train.algorithms import gspo_policy_loss, ppo_policy_loss
+from skyrl_train.config.loader import load_config
+from skyrl_train.dataset.batch import TrainingBatch
+from skyrl_train.trainer.policy import PolicyTrainer
+from skyrl_train.workers.megatron.layout import slice_batch
+from skyrl_train.workers.megatron.worker import ForwardResult, TrainStepResult
+
+PROMPTS, N_SAMPLES, MINI_PROMPTS, WIDTH = 8, 2, 4, 5
+ROWS = PROMPTS * N_SAMPLES
+
+
+class TableWorker:
+    """Logprobs are a learnable table indexed by row id (``sequences[:, 0]``).
+
+    ``train_step`` does what the real worker's does: microbatches of
+    ``micro_batch_size`` rows, each loss backpropagated divided by the microbatch
+    count, and the mean of the microbatch losses returned. It records each optimizer
+    step's gradient instead of stepping, so every mini-batch sees the same table.
+    """
+
+    def __init__(self, current: torch.Tensor, old: torch.Tensor) -> None:
+        self.table = current.clone().requires_grad_()
+        self.old = old
+        self.model = torch.nn.Linear(1, 1)
+        self.grads: list[torch.Tensor] = []
+
+    def forward(self, batch: TrainingBatch, *, entropy: bool = False, **options: Any) -> Any:
+        rows = batch.sequences[:, 0]
+        return ForwardResult(
+            logprobs=self.old[rows] * batch.response_mask,
+            # entropy 1 on generated tokens, 5 on observations: only the 1s may count
+            entropy=(5.0 - 4.0 * batch.loss_mask) * batch.response_mask if entropy else None,
+        )
+
+    def train_step(
+        self, batch: TrainingBatch, *, loss_fn: Any, micro_batch_size: int, **options: Any
+    ) -> TrainStepResult:
+        self.table.grad = None
+        starts = range(0, batch.batch_size, micro_batch_size)
+        losses = []
+        for start in starts:
+            mb = slice_batch(batch, start, min(start + micro_batch_size, batch.batch_size))
+            logprobs = self.table[mb.sequences[:, 0]] * mb.response_mask
+            loss = loss_fn(logprobs, mb)
+            (loss / len(starts)).backward()
+            losses.append(float(loss.detach()))
+        assert self.table.grad is not None
+        self.grads.append(self.table.grad.clone())
+        return TrainStepResult(
+            loss=sum(losses) / len(losses),
+            grad_norm=float(self.table.grad.norm()),
+            num_microbatches=len(starts),
+            replayed=False,
+        )
+
+
+def _batch(generator: torch.Generator) -> TrainingBatch:
+    # Rows generate 1..4 tokens, some with an observation (loss mask 0) in between, so
+    # microbatches of one mini-batch hold different token counts.
+    response = torch.zeros(ROWS, WIDTH, dtype=torch.int64)
+    loss_mask = torch.zeros(ROWS, WIDTH, dtype=torch.int64)
+    for r in range(ROWS):
+        length = 1 + r % 4 + (r % 3 == 0)
+        response[r, :length] = 1
+        loss_mask[r, :length] = 1
+        if length > 2:
+            loss_mask[r, 1] = 0
+    sequences = torch.ones(ROWS, 3 + WIDTH, dtype=torch.int64)
+    sequences[:, 0] = torch.arange(ROWS)
+    advantages = torch.randn(ROWS, 1, generator=generator) * loss_mask
+    return TrainingBatch(
+        sequences=sequences,
+        attention_mask=torch.ones_like(sequences),
+        response_mask=response,
+        loss_mask=loss_mask,
+        rewards=torch.zeros(ROWS),
+        token_rewards=torch.zeros(ROWS, WIDTH),
+        advantages=advantages,
+    )
+
+
+@pytest.mark.parametrize("loss_type", ["regular", "gspo"])
+@pytest.mark.parametrize("num_micro", [1, 2, 8])
+def test_logged_loss_is_the_mini_batch_token_mean(
+    tmp_path: Path, num_micro: int, loss_type: str
+) -> None:
+    rows_per_mini = MINI_PROMPTS * N_SAMPLES
+    clip = "0.01" if loss_type == "gspo" else "0.2"
+    cfg = load_config(
+        [
+            f"trainer.run_dir={tmp_path}",
+            f"trainer.train_batch_size={PROMPTS}",
+            f"trainer.policy_mini_batch_size={MINI_PROMPTS}",
+            f"trainer.micro_train_batch_size_per_gpu={rows_per_mini // num_micro}",
+            f"generator.n_samples_per_prompt={N_SAMPLES}",
+            f"trainer.algorithm.policy_loss_type={loss_type}",
+            f"trainer.algorithm.eps_clip_low={clip}",
+            f"trainer.algorithm.eps_clip_high={clip}",
+        ]
+    )
+    generator = torch.Generator().manual_seed(num_micro)
+    old = -torch.rand(ROWS, WIDTH, generator=generator) * 3
+    current = old + torch.randn(ROWS, WIDTH, generator=generator) * 0.3  # some tokens clip
+    trainer = PolicyTrainer(cfg, checkpoint=str(tmp_path), pad_token_id=0)
+    worker = TableWorker(current, old)
+    trainer.worker = worker  # type: ignore[assignment]
+    batch = _batch(generator)
+
+    metrics = trainer.train(batch, step=1)
+
+    algo = cfg.trainer.algorithm
+    direct_losses = []
+    for k, start in enumerate(range(0, ROWS, rows_per_mini)):
+        rows = slice(start, start + rows_per_mini)
+        table = current.clone().requires_grad_()
+        mask = batch.loss_mask[rows]
+        loss = gspo_policy_loss if loss_type == "gspo" else ppo_policy_loss
+        out = loss(
+            table[rows] * batch.response_mask[rows],
+            old[rows] * batch.response_mask[rows],
+            batch.advantages[rows],  # type: ignore[index]
+            mask,
+            eps_clip_low=algo.eps_clip_low,
+            eps_clip_high=algo.eps_clip_high,
+        )
+        out.loss.backward()
+        direct_losses.append(out.loss.item())
+        assert torch.allclose(worker.grads[k], table.grad, atol=1e-7)
+    assert worker.grads[0].abs().sum() > 0
+    assert metrics["train/optimizer_steps"] == 2.0
+    assert metrics["train/policy_loss"] == pytest.approx(float(np.mean(direct_losses)), rel=1e-5)
+    assert metrics["policy/entropy"] == 1.0
+    assert metrics["policy/num_tokens"] == float(batch.loss_mask.sum())
