@@ -90,15 +90,6 @@ class MoEArchitecture:
         moe = set(self.moe_layers)
         return tuple(i for i in range(self.num_layers) if i not in moe)
 
-    def route_layer(self, layer: int) -> int:
-        """The route tensor's layer index for decoder layer ``layer`` (an MoE layer)."""
-        try:
-            return self.moe_layers.index(layer)
-        except ValueError:
-            raise ValueError(
-                f"layer {layer}: expected an MoE layer {list(self.moe_layers)}, got a dense one"
-            ) from None
-
 
 @dataclass(frozen=True)
 class TinySizes:

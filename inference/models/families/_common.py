@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from inference.errors import CheckpointFormatError
+from inference.models.architecture import TinySizes
 
 # HF suffix inside ``model.layers.{i}`` -> Megatron suffix inside ``decoder.layers.{i}``.
 ATTENTION_TABLE = {
@@ -20,6 +21,25 @@ ROUTER_TABLE = {"mlp.gate.weight": "mlp.router.weight"}
 # Dense layers (Qwen ``mlp_only_layers``): Megatron's gated fc1 is [gate; up].
 DENSE_MLP_TABLE = {"mlp.down_proj.weight": "mlp.linear_fc2.weight"}
 DENSE_MLP_FUSED = {"mlp.linear_fc1.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight")}
+
+
+def tiny_fields(sizes: TinySizes, architectures: tuple[str, ...]) -> dict[str, Any]:
+    """The config keyword arguments every family spells alike, from ``TinySizes``;
+    a family's ``tiny_config`` adds its experts, widths and switches."""
+    return dict(
+        architectures=list(architectures),
+        vocab_size=sizes.vocab_size,
+        hidden_size=sizes.hidden_size,
+        num_hidden_layers=sizes.num_layers,
+        num_attention_heads=sizes.num_attention_heads,
+        num_key_value_heads=sizes.num_kv_heads,
+        # Not in every config's typed signature, but every family's attention reads it.
+        head_dim=sizes.head_dim,
+        num_experts_per_tok=sizes.top_k,
+        max_position_embeddings=sizes.max_position_embeddings,
+        initializer_range=sizes.initializer_range,
+        tie_word_embeddings=False,
+    )
 
 
 def field(cfg: Any, name: str, default: Any = None) -> Any:

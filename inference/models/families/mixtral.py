@@ -29,19 +29,9 @@ def tiny_config(sizes: TinySizes) -> Any:
     from transformers import MixtralConfig
 
     return MixtralConfig(
-        architectures=list(FAMILY.architectures),
-        vocab_size=sizes.vocab_size,
-        hidden_size=sizes.hidden_size,
+        **c.tiny_fields(sizes, FAMILY.architectures),
         intermediate_size=sizes.moe_ffn_hidden_size,
-        num_hidden_layers=sizes.num_layers,
-        num_attention_heads=sizes.num_attention_heads,
-        num_key_value_heads=sizes.num_kv_heads,
-        head_dim=sizes.head_dim,
         num_local_experts=sizes.num_experts,
-        num_experts_per_tok=sizes.top_k,
-        max_position_embeddings=sizes.max_position_embeddings,
-        initializer_range=sizes.initializer_range,
-        tie_word_embeddings=False,
         sliding_window=None,
         bos_token_id=None,
         eos_token_id=None,

@@ -26,25 +26,14 @@ def describe(cfg: Any) -> MoEArchitecture:
 def tiny_config(sizes: TinySizes) -> Any:
     from transformers import Qwen3MoeConfig
 
-    # head_dim is read by the attention but missing from the typed signature.
-    return Qwen3MoeConfig(  # type: ignore[call-arg]
-        architectures=list(FAMILY.architectures),
-        vocab_size=sizes.vocab_size,
-        hidden_size=sizes.hidden_size,
+    return Qwen3MoeConfig(
+        **c.tiny_fields(sizes, FAMILY.architectures),
         intermediate_size=sizes.dense_ffn_hidden_size,
         moe_intermediate_size=sizes.moe_ffn_hidden_size,
-        num_hidden_layers=sizes.num_layers,
-        num_attention_heads=sizes.num_attention_heads,
-        num_key_value_heads=sizes.num_kv_heads,
-        head_dim=sizes.head_dim,
         num_experts=sizes.num_experts,
-        num_experts_per_tok=sizes.top_k,
         norm_topk_prob=True,
         mlp_only_layers=[0] if sizes.dense_first_layer else [],
         decoder_sparse_step=1,
-        max_position_embeddings=sizes.max_position_embeddings,
-        initializer_range=sizes.initializer_range,
-        tie_word_embeddings=False,
     )
 
 
