@@ -17,7 +17,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from inference.models.checkpoint import (  # noqa: E402
     inspect_checkpoint,
-    load_checkpoint_tokenizer,
 )
 from inference.models.families import FAMILIES  # noqa: E402
 from inference.models.tiny_checkpoint import write_tiny_checkpoint  # noqa: E402
@@ -51,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
         f"experts       {arch.num_experts} x {arch.moe_ffn_hidden_size} wide, top-{arch.top_k}, "
         f"renormalised {arch.norm_topk_prob}, shared expert {shared or 'none'}"
     )
-    tokenizer = load_checkpoint_tokenizer(path)
+    tokenizer = info.tokenizer
     eos = ", ".join(f"{i} {tokenizer.convert_ids_to_tokens(i)}" for i in info.eos_token_ids)
     pad = f"{info.pad_token_id} {tokenizer.convert_ids_to_tokens(info.pad_token_id)}"
     print(f"vocab         tokenizer {info.tokenizer_size} of embedding {arch.vocab_size}")

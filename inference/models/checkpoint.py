@@ -16,7 +16,7 @@ import json
 import os
 import shutil
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -45,12 +45,17 @@ class CheckpointInfo:
     family: Family
     architecture: MoEArchitecture
     hf_config: Any
-    tokenizer_size: int
-    """``len(tokenizer)``: base vocabulary plus added tokens."""
+    tokenizer: Any = field(repr=False, compare=False)
+    """The folder's own tokenizer (``AutoTokenizer``), loaded once to check it."""
     eos_token_ids: tuple[int, ...]
     """From generation_config.json when it names any, else the tokenizer's EOS."""
     pad_token_id: int
     """The tokenizer's pad token, else the first EOS id."""
+
+    @property
+    def tokenizer_size(self) -> int:
+        """``len(tokenizer)``: base vocabulary plus added tokens."""
+        return len(self.tokenizer)
 
 
 def _require_folder(path: Path) -> None:
@@ -146,7 +151,7 @@ def inspect_checkpoint(folder: str | Path) -> CheckpointInfo:
         family=family,
         architecture=arch,
         hf_config=hf_config,
-        tokenizer_size=size,
+        tokenizer=tokenizer,
         eos_token_ids=eos,
         pad_token_id=int(pad) if pad is not None else eos[0],
     )

@@ -55,7 +55,7 @@ class Job:
 @contextlib.contextmanager
 def launch(cfg: PPOConfig) -> Iterator[Job]:
     """Start (or join) Ray and place every actor; on exit stop and remove them all."""
-    from inference.models.checkpoint import inspect_checkpoint, load_checkpoint_tokenizer
+    from inference.models.checkpoint import inspect_checkpoint
     from inference.server.actor import create_server_actor
     from inference.server.app import ServerConfig
     from inference.server.launch import EngineSpec
@@ -79,7 +79,7 @@ def launch(cfg: PPOConfig) -> Iterator[Job]:
     # run loads a checkpoint folder the same way (engines, trainers, tokenizer).
     checkpoint = model_checkpoint(cfg.model)
     info = inspect_checkpoint(checkpoint)
-    tokenizer = load_checkpoint_tokenizer(checkpoint)
+    tokenizer = info.tokenizer
     # One bearer token per run, handed to servers and clients as Ray call arguments:
     # never on a command line (ps shows those) and never printed.
     api_key = secrets.token_urlsafe(32)
