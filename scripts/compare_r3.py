@@ -1,12 +1,21 @@
-"""Run the embedded default twice, routing replay on and off, and compare R3 figures.
+"""R3 on vs off (and GSPO without R3) over several seeds: learning and mismatch.
 
-    python scripts/compare_r3.py [--steps N] [--json] [hydra overrides ...]
+    python scripts/compare_r3.py [--seeds 3] [--steps N] [--arms r3,no_r3,gspo]
+                                 [--png compare_r3.png] [--json] [hydra overrides ...]
 
-Both runs use the same seeds and return routes from the server; only
-``trainer.policy.megatron_config.moe_enable_routing_replay`` differs. Printed side
-by side: router agreement of the training forward with the rollout, the
-rollout-vs-trainer logprob mismatch (mean and max |Δlogp|, k3 KL, share of tokens with
-|Δlogp| > ln 2), averaged over steps, and the last step's reward.
+Each arm runs the embedded default (plus the overrides) once per seed
+(``trainer.seed`` = 0, 1, ...: prompts and sampling change, the model does not); every
+arm returns routes from the server, so the mismatch metrics compare like with like.
+
+- ``r3``: routing replay on (the default);
+- ``no_r3``: replay off, same PPO loss;
+- ``gspo``: replay off with GSPO's sequence-level ratio (clip 3e-4 / 4e-4), the
+  method designed to stay stable on MoE models without replay.
+
+Printed per arm, mean ± standard deviation over seeds (and the min..max spread): the
+final train reward (mean of the last five steps), the final greedy eval reward and
+success rate, and the rollout-vs-trainer mismatch averaged over steps. The PNG plots
+each arm's train reward and eval success per step (mean over seeds, min..max shaded).
 """
 
 from __future__ import annotations
@@ -27,62 +36,174 @@ from skyrl_train.config.loader import load_config  # noqa: E402
 from skyrl_train.entrypoints.main_base import run  # noqa: E402
 
 REPLAY_KEY = "trainer.policy.megatron_config.moe_enable_routing_replay"
+ALG = "trainer.algorithm"
+ARMS: dict[str, tuple[str, list[str]]] = {
+    "r3": ("R3 on", [f"{REPLAY_KEY}=true"]),
+    "no_r3": ("R3 off", [f"{REPLAY_KEY}=false"]),
+    "gspo": (
+        "GSPO, R3 off",
+        [
+            f"{REPLAY_KEY}=false",
+            f"{ALG}.policy_loss_type=gspo",
+            f"{ALG}.eps_clip_low=0.0003",
+            f"{ALG}.eps_clip_high=0.0004",
+        ],
+    ),
+}
+# (metric key, label, how a run's history reduces to one number)
 ROWS = (
+    ("reward/mean", "train reward, last 5 steps", "last5"),
+    ("eval/reward_mean", "eval reward (greedy), final", "last"),
+    ("eval/success_rate", "eval success (greedy), final", "last"),
+    ("reward/success_rate", "train success, last 5 steps", "last5"),
     ("r3/router_agreement_trained", "router agreement (training forward)", "mean"),
     ("mismatch_trained/mean_abs_logp_diff", "mean |Δlogp|", "mean"),
     ("mismatch_trained/max_abs_logp_diff", "max |Δlogp|", "max"),
     ("mismatch_trained/k3_kl", "k3 KL(rollout||trainer)", "mean"),
     ("mismatch_trained/frac_abs_logp_diff_gt_ln2", "share |Δlogp| > ln 2", "mean"),
-    ("reward/mean", "reward, last step", "last"),
+    ("policy/entropy", "policy entropy, last step", "last"),
     ("timing/train_s", "train time per step [s]", "mean"),
 )
 
 
-def summarise(history: list[dict[str, float]]) -> dict[str, float]:
-    out = {}
+def reduce_history(history: list[dict[str, float]]) -> dict[str, float]:
+    """One number per metric of one run (``ROWS``' reductions); absent metrics skipped."""
+    out: dict[str, float] = {}
     for key, _label, how in ROWS:
         values = [h[key] for h in history if h.get(key) is not None]
         if not values:
             continue
-        out[key] = {"mean": float(np.mean(values)), "max": float(np.max(values))}.get(
-            how, float(values[-1])
-        )
+        reduce = {
+            "mean": np.mean,
+            "max": np.max,
+            "last": lambda v: v[-1],
+            "last5": lambda v: np.mean(v[-5:]),
+        }[how]
+        out[key] = float(reduce(values))
     return out
+
+
+def spread(values: list[float]) -> dict[str, float]:
+    arr = np.asarray(values, dtype=np.float64)
+    return {
+        "mean": float(arr.mean()),
+        "std": float(arr.std(ddof=1)) if arr.size > 1 else 0.0,
+        "min": float(arr.min()),
+        "max": float(arr.max()),
+    }
+
+
+def curve(histories: list[list[dict[str, float]]], key: str) -> tuple[np.ndarray, np.ndarray]:
+    """Steps at which every seed logged ``key`` and the values ``[seeds, steps]``."""
+    steps = sorted(
+        set.intersection(*({int(h["step"]) for h in hist if key in h} for hist in histories))
+    )
+    values = np.array(
+        [[next(h[key] for h in hist if int(h["step"]) == s) for s in steps] for hist in histories]
+    )
+    return np.asarray(steps), values
+
+
+def plot(results: dict[str, list[list[dict[str, float]]]], png: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = (("reward/mean", "train reward"), ("eval/success_rate", "eval success (greedy)"))
+    fig, axes = plt.subplots(1, len(panels), figsize=(11, 4))
+    for ax, (key, label) in zip(axes, panels, strict=True):
+        for arm, histories in results.items():
+            steps, values = curve(histories, key)
+            if steps.size == 0:
+                continue
+            line = ax.plot(steps, values.mean(axis=0), label=ARMS[arm][0])[0]
+            ax.fill_between(
+                steps, values.min(axis=0), values.max(axis=0), color=line.get_color(), alpha=0.2
+            )
+        ax.set_xlabel("step")
+        ax.set_title(label)
+        ax.grid(alpha=0.3)
+    axes[0].legend()
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=None, help="default: the config's")
+    parser.add_argument("--arms", default=",".join(ARMS))
+    parser.add_argument("--png", type=Path, default=Path("compare_r3.png"))
     parser.add_argument("--json", action="store_true")
     args, overrides = parser.parse_known_args()
+    arms = args.arms.split(",")
+    unknown = [a for a in arms if a not in ARMS]
+    if unknown or args.seeds < 1:
+        parser.error(f"--arms: expected names from {list(ARMS)}, got {unknown}; --seeds >= 1")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    results = {}
+    steps = [f"trainer.num_steps={args.steps}"] if args.steps else []
+    histories: dict[str, list[list[dict[str, float]]]] = {arm: [] for arm in arms}
     with tempfile.TemporaryDirectory() as tmp:
-        for name, replay in (("on", True), ("off", False)):
-            cfg = load_config(
-                [
-                    f"trainer.num_steps={args.steps}",
-                    "trainer.eval_interval=0",
-                    "logging.progress_bar=false",
-                    "logging.plot=false",
-                    f"trainer.run_dir={Path(tmp) / name}",
-                    f"{REPLAY_KEY}={str(replay).lower()}",
-                    *overrides,
-                ]
-            )
-            results[name] = summarise(run(cfg))
+        for seed in range(args.seeds):
+            for arm in arms:  # arms alternate within a seed: drift hits all alike
+                cfg = load_config(
+                    [
+                        *steps,
+                        "logging.progress_bar=false",
+                        "logging.plot=false",
+                        f"trainer.run_dir={Path(tmp) / f'{arm}_{seed}'}",
+                        f"trainer.seed={seed}",
+                        *ARMS[arm][1],
+                        *overrides,
+                    ]
+                )
+                history = run(cfg)
+                histories[arm].append(history)
+                print(f"done: {arm} seed {seed}: {reduce_history(history)}", flush=True)
+    summary = {
+        arm: {
+            key: spread([reduce_history(h)[key] for h in hists])
+            for key, _label, _how in ROWS
+            if all(key in reduce_history(h) for h in hists)
+        }
+        for arm, hists in histories.items()
+    }
+    title = (
+        f"{args.seeds} seeds x {len(histories[arms[0]][0])} steps, overrides: "
+        f"{overrides or 'none'}; {cpu_model()}"
+    )
+    plot(histories, args.png, title)
     if args.json:
-        print(json.dumps({"steps": args.steps, "overrides": overrides, **results}, indent=2))
+        print(json.dumps({"seeds": args.seeds, "overrides": overrides, **summary}, indent=2))
         return
-    print(f"python {platform.python_version()} on {platform.machine()}, {os.cpu_count()} cpus")
-    print(f"{args.steps} steps per run, overrides: {overrides or 'none'}")
-    print(f"{'metric':40s} {'R3 on':>12s} {'R3 off':>12s} {'off/on':>8s}")
+    print(f"python {platform.python_version()}, {cpu_model()}, {os.cpu_count()} cpus")
+    print(title)
+    print(f"{'metric (mean ± std over seeds [min..max])':44s}", end="")
+    print("".join(f"{ARMS[a][0]:>30s}" for a in arms))
     for key, label, _how in ROWS:
-        on, off = results["on"].get(key), results["off"].get(key)
-        if on is None or off is None:
-            continue
-        ratio = f"{off / on:8.2f}" if on else "     n/a"
-        print(f"{label:40s} {on:12.6g} {off:12.6g} {ratio}")
+        cells = []
+        for arm in arms:
+            s = summary[arm].get(key)
+            cells.append(
+                "n/a"
+                if s is None
+                else f"{s['mean']:.4g} ± {s['std']:.2g} [{s['min']:.3g}..{s['max']:.3g}]"
+            )
+        print(f"{label:44s}" + "".join(f"{c:>30s}" for c in cells))
+    print(f"curves: {args.png}")
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ from skyrl_train.algorithms.policy_loss import (
     gspo_policy_loss,
     kl_penalty,
     ppo_policy_loss,
+    token_mean_entropy,
 )
 from skyrl_train.algorithms.signals import (
     mean_token_entropy,
@@ -57,5 +58,6 @@ __all__ = [
     "router_agreement",
     "success_rate",
     "token_entropy",
+    "token_mean_entropy",
     "zero_variance_group_fraction",
 ]

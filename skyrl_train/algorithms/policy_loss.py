@@ -152,6 +152,17 @@ def kl_penalty(
     return masked_mean(k3(log_ratio), mask, denominator=denominator)
 
 
+def token_mean_entropy(
+    entropy: torch.Tensor, loss_mask: torch.Tensor, *, denominator: float | None = None
+) -> torch.Tensor:
+    """Differentiable token mean of per-token ``entropy`` ``[B, R]`` over ``loss_mask``,
+    for an entropy bonus (``use_entropy_loss``: loss - coef x this); ``denominator`` as in
+    ``ppo_policy_loss``."""
+    entropy = check_tensor(entropy, "entropy", ndim=2)
+    mask = as_float_mask(loss_mask, "loss_mask", shape=entropy.shape, ref_name="entropy")
+    return masked_mean(entropy, mask, denominator=denominator)
+
+
 # ------------------------------------------------------------------------------ shared
 
 

@@ -12,8 +12,9 @@ from collections.abc import Hashable, Sequence
 
 import torch
 
-from skyrl_train.algorithms._common import as_float_mask, check_tensor, masked_mean
+from skyrl_train.algorithms._common import check_tensor
 from skyrl_train.algorithms.advantages import flat_groups, group_index
+from skyrl_train.algorithms.policy_loss import token_mean_entropy
 
 
 def token_entropy(log_probs: torch.Tensor) -> torch.Tensor:
@@ -27,8 +28,7 @@ def mean_token_entropy(entropy: torch.Tensor, loss_mask: torch.Tensor) -> float:
     """Mean of per-token ``entropy`` ``[B, R]`` over loss-active tokens only: the
     policy's own tokens, not prompt or observation tokens (0.0 when there are none)."""
     entropy = check_tensor(entropy, "entropy", ndim=2)
-    mask = as_float_mask(loss_mask, "loss_mask", shape=entropy.shape, ref_name="entropy")
-    return float(masked_mean(entropy.detach().float(), mask))
+    return float(token_mean_entropy(entropy.detach().float(), loss_mask))
 
 
 def zero_variance_group_fraction(

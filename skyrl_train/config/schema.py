@@ -169,9 +169,32 @@ class PolicyConfig:
 
 @dataclass(frozen=True)
 class RefConfig:
-    """The reference model; built only when ``trainer.algorithm.use_kl_loss`` is on."""
+    """The reference policy: the run's initial weights (``model.path`` or the built-in
+    model, never a resumed checkpoint's), kept as one copy of this rank's parameters
+    beside the policy's and swapped in for a logprob forward, so it shares the policy's
+    parallel layout and replays the same routes."""
 
-    megatron_config: MegatronConfig = field(default_factory=MegatronConfig)
+    log_kl: bool = True
+    """Log ``policy/kl_to_ref`` (k3 KL of the policy to the reference over the policy's
+    tokens) every step. Costs the weight copy and one more forward per step;
+    ``trainer.algorithm.use_kl_loss`` keeps the reference either way."""
+
+
+@dataclass(frozen=True)
+class DynamicSamplingConfig:
+    """Zero-variance groups (every sample of a prompt scored the same) carry no GRPO
+    gradient; these options trade extra generation for fewer of them (DAPO, POLARIS)."""
+
+    type: Literal["filter", "replace"] | None = None
+    """None: train on what was sampled. "filter" (DAPO): drop flat groups and sample
+    more prompts until ``trainer.train_batch_size`` groups vary, at most
+    ``max_sample_batches`` batches a step (short: flat groups fill the rest).
+    "replace" (POLARIS): copy groups that vary over the flat ones, when at least
+    ``min_replace_ratio`` of the groups vary."""
+    max_sample_batches: int = 4
+    """"filter": generation rounds per step, the first included."""
+    min_replace_ratio: float = 0.3
+    """"replace": the share of varying groups below which the batch is left as is."""
 
 
 @dataclass(frozen=True)
@@ -195,8 +218,13 @@ class AlgorithmConfig:
     """Truncated importance sampling against the rollout logprobs."""
     tis_imp_ratio_cap: float = 2.0
     use_kl_loss: bool = False
-    """Builds the reference model and adds a k3 KL penalty (off: faster CPU runs)."""
+    """Adds ``kl_loss_coef`` x the k3 KL of the policy to the reference (``trainer.ref``)."""
     kl_loss_coef: float = 0.001
+    use_entropy_loss: bool = False
+    """Subtracts ``entropy_loss_coef`` x the token-mean entropy of the policy from the
+    loss: a bonus that slows the collapse onto one answer."""
+    entropy_loss_coef: float = 0.01
+    dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
 
 
 @dataclass(frozen=True)

@@ -66,18 +66,9 @@ def validate_cfg(cfg: PPOConfig | Mapping[str, Any]) -> None:
     _check_data(cfg)
     _check_trainer(cfg)
     _check_megatron(cfg, arch, cfg.trainer.policy.megatron_config, "trainer.policy.megatron_config")
-    if cfg.trainer.algorithm.use_kl_loss:
-        _check_megatron(cfg, arch, cfg.trainer.ref.megatron_config, "trainer.ref.megatron_config")
     _check_batch_sizes(cfg)
     if cfg.ray.num_cpus is not None:
         _at_least(cfg.ray.num_cpus, 1, "ray.num_cpus")
-    if cfg.trainer.algorithm.use_kl_loss:
-        # Checked last, so the ref settings above are still reported by name.
-        raise ConfigValidationError(
-            "trainer.algorithm.use_kl_loss",
-            "expected false: the trainer does not build a reference model yet (GRPO here "
-            "runs without a KL term)",
-        )
 
 
 def refuse_replay_incompatible(settings: Mapping[str, Any], *, key_prefix: str) -> None:
@@ -118,34 +109,24 @@ def refuse_replay_incompatible(settings: Mapping[str, Any], *, key_prefix: str) 
 
 
 def _check_routing_replay(cfg: PPOConfig) -> None:
-    returns_routes = cfg.generator.inference_engine.enable_return_routed_experts
-    roles = [
-        ("trainer.policy.megatron_config", cfg.trainer.policy.megatron_config, True),
-        # The ref model is built only with a KL loss, so only then does it need routes;
-        # a layout that defeats replay is refused for it either way, so switching the
-        # KL loss on later cannot silently replay stale routes.
-        (
-            "trainer.ref.megatron_config",
-            cfg.trainer.ref.megatron_config,
-            cfg.trainer.algorithm.use_kl_loss,
-        ),
-    ]
-    for prefix, mc, built in roles:
-        if not mc.moe_enable_routing_replay:
-            continue
-        if built and not returns_routes:
-            raise ConfigValidationError(
-                f"{prefix}.moe_enable_routing_replay",
-                "routing replay needs the rollout's routes, but "
-                "generator.inference_engine.enable_return_routed_experts is false",
-            )
-        refuse_replay_incompatible(
-            {"virtual_pipeline_model_parallel_size": mc.virtual_pipeline_model_parallel_size},
-            key_prefix=prefix,
+    # The reference policy swaps its weights into the policy's model (trainer.ref), so
+    # the policy's settings are the only ones to check.
+    prefix, mc = "trainer.policy.megatron_config", cfg.trainer.policy.megatron_config
+    if not mc.moe_enable_routing_replay:
+        return
+    if not cfg.generator.inference_engine.enable_return_routed_experts:
+        raise ConfigValidationError(
+            f"{prefix}.moe_enable_routing_replay",
+            "routing replay needs the rollout's routes, but "
+            "generator.inference_engine.enable_return_routed_experts is false",
         )
-        refuse_replay_incompatible(
-            mc.transformer_config_kwargs, key_prefix=f"{prefix}.transformer_config_kwargs"
-        )
+    refuse_replay_incompatible(
+        {"virtual_pipeline_model_parallel_size": mc.virtual_pipeline_model_parallel_size},
+        key_prefix=prefix,
+    )
+    refuse_replay_incompatible(
+        mc.transformer_config_kwargs, key_prefix=f"{prefix}.transformer_config_kwargs"
+    )
 
 
 def _check_model(model: ModelConfig) -> MoEArchitecture:
@@ -326,6 +307,24 @@ def _check_trainer(cfg: PPOConfig) -> None:
         )
     _finite(alg.tis_imp_ratio_cap, f"{a}.tis_imp_ratio_cap", low=0.0, strict=True)
     _finite(alg.kl_loss_coef, f"{a}.kl_loss_coef", low=0.0)
+    _finite(alg.entropy_loss_coef, f"{a}.entropy_loss_coef", low=0.0)
+    ds, d = alg.dynamic_sampling, f"{a}.dynamic_sampling"
+    if ds.type not in (None, "filter", "replace"):
+        raise ConfigValidationError(
+            f"{d}.type", f"expected null, 'filter' or 'replace', got {ds.type!r}"
+        )
+    _at_least(ds.max_sample_batches, 1, f"{d}.max_sample_batches")
+    if not (math.isfinite(ds.min_replace_ratio) and 0.0 <= ds.min_replace_ratio <= 1.0):
+        raise ConfigValidationError(
+            f"{d}.min_replace_ratio",
+            f"expected 0 <= min_replace_ratio <= 1, got {ds.min_replace_ratio}",
+        )
+    if ds.type is not None and cfg.generator.n_samples_per_prompt < 2:
+        raise ConfigValidationError(
+            f"{d}.type",
+            f"expected null with generator.n_samples_per_prompt 1 (every group of one is "
+            f"flat), got {ds.type!r}",
+        )
 
 
 def _check_megatron(cfg: PPOConfig, arch: MoEArchitecture, mc: MegatronConfig, prefix: str) -> None:

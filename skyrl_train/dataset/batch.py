@@ -42,6 +42,9 @@ class TrainingBatch:
     old_logprobs: torch.Tensor | None = None
     """[B, R] float32 logprobs of the policy that is being updated, taken before the
     first optimizer step of this batch; set by the trainer."""
+    ref_logprobs: torch.Tensor | None = None
+    """[B, R] float32 logprobs of the reference policy (the run's initial weights); set
+    by the trainer when a KL loss needs them."""
 
     @property
     def batch_size(self) -> int:

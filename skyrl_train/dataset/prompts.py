@@ -172,12 +172,16 @@ def load_tasks(
     return tasks
 
 
-def sample_step(tasks: Sequence[Task], *, batch_size: int, seed: int, step: int) -> list[Task]:
+def sample_step(
+    tasks: Sequence[Task], *, batch_size: int, seed: int, step: int, round: int = 0
+) -> list[Task]:
     """The prompts of training step ``step`` (1-based): rows ``[(step-1)*B, step*B)`` of
     an endless sequence of epochs, each epoch a permutation drawn from ``(seed, epoch)``.
 
     Every row is seen once per epoch; a batch that crosses an epoch boundary takes the
-    end of one permutation and the start of the next.
+    end of one permutation and the start of the next. ``round`` > 0 (the extra
+    generation rounds of dynamic sampling) reads its own sequence of permutations, so a
+    step's extra prompts are as reproducible as its first ones.
     """
     if not tasks:
         raise ValueError("tasks: expected at least one row, got none")
@@ -190,7 +194,8 @@ def sample_step(tasks: Sequence[Task], *, batch_size: int, seed: int, step: int)
         epoch, position = divmod(index, size)
         if epoch not in orders:
             order = list(range(size))
-            random.Random(f"{seed}:epoch:{epoch}").shuffle(order)
+            stream = f"{seed}:epoch:{epoch}" if round == 0 else f"{seed}:round:{round}:{epoch}"
+            random.Random(stream).shuffle(order)
             orders[epoch] = order
         picked.append(tasks[orders[epoch][position]])
     return picked

@@ -16,12 +16,14 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import random
 import shutil
 import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 from tqdm.auto import tqdm
 
 import skyrl_gym
@@ -31,10 +33,16 @@ from skyrl_train.algorithms import (
     success_rate,
     zero_variance_group_fraction,
 )
+from skyrl_train.algorithms.dynamic_sampling import (
+    plan_filter,
+    plan_replace,
+    trajectory_indices,
+    varying_groups,
+)
 from skyrl_train.config.schema import PPOConfig
 from skyrl_train.dataset.preprocess import convert_to_training_batch
 from skyrl_train.dataset.prompts import PromptDatasets, load_datasets, sample_step
-from skyrl_train.generators.base import GeneratorInput, GeneratorOutput
+from skyrl_train.generators.base import GeneratorInput, GeneratorOutput, concat_outputs
 from skyrl_train.generators.gym_generator import GymGenerator, GymGeneratorConfig
 from skyrl_train.trainer.checkpoint import (
     DRIVER_FILE,
@@ -52,6 +60,7 @@ LINE_KEYS = (
     ("eval/reward_mean", "eval_reward"),
     ("eval/success_rate", "eval_success"),
     ("policy/entropy", "entropy"),
+    ("policy/kl_to_ref", "kl_ref"),
     ("advantage/zero_variance_group_frac", "zero_var"),
     ("policy/clip_fraction", "clip_frac"),
     ("response_length/mean", "resp_len"),
@@ -156,36 +165,27 @@ class GRPOLoop:
     async def train_step(self, step: int, clients: list[Any]) -> dict[str, float]:
         cfg = self.cfg
         n = cfg.generator.n_samples_per_prompt
-        tasks = sample_step(
-            self.datasets.train,
-            batch_size=cfg.trainer.train_batch_size,
-            seed=cfg.trainer.seed,
-            step=step,
-        )
-        generator = GymGenerator(
-            clients,
-            self.tokenizer,
-            dataclasses.replace(self.gen_config, seed=_step_seed(cfg.trainer.seed, step)),
-        )
         started = time.perf_counter()
-        output = await generator.generate(self._input(tasks, n))
+        tasks, output = await self._generate(step, clients, round=0)
+        # Reward, success and flat-group share describe the policy's own samples (the
+        # first round), not the batch dynamic sampling trains on.
+        signals: dict[str, float] = {}
+        if n >= 2:  # with one sample a prompt every group is trivially flat
+            signals["advantage/zero_variance_group_frac"] = zero_variance_group_fraction(
+                torch.as_tensor(output.rewards), contiguous_groups(len(output.rewards), n)
+            )
+        trained_on = await self._dynamic_sampling(step, clients, output, signals)
         generated = time.perf_counter()
-        batch = convert_to_training_batch(output, pad_token_id=self.pad_token_id)
+        batch = convert_to_training_batch(trained_on, pad_token_id=self.pad_token_id)
         algo = cfg.trainer.algorithm
-        groups = contiguous_groups(batch.batch_size, n)
         advantages = compute_advantages(
             algo.advantage_estimator,
             batch.rewards,
             batch.loss_mask,
-            groups,
+            contiguous_groups(batch.batch_size, n),
             norm_by_std=algo.norm_adv_by_std_in_grpo,
             eps=algo.advantage_eps,
         )
-        signals: dict[str, float] = {}
-        if n >= 2:  # with one sample a prompt every group is trivially flat
-            signals["advantage/zero_variance_group_frac"] = zero_variance_group_fraction(
-                batch.rewards, groups
-            )
         collated = time.perf_counter()
         # Raises NonFiniteError on a NaN/inf loss, grad norm or weight: nothing is pushed.
         metrics = dict(await self.policy.train(batch, advantages, step=step))
@@ -207,6 +207,62 @@ class GRPOLoop:
             }
         )
         return metrics
+
+    async def _generate(
+        self, step: int, clients: list[Any], *, round: int
+    ) -> tuple[list[skyrl_gym.Task], GeneratorOutput]:
+        """One generation round of ``step``: its prompts and request seeds derive from
+        (seed, step, round), so every round is reproducible on resume."""
+        cfg = self.cfg
+        tasks = sample_step(
+            self.datasets.train,
+            batch_size=cfg.trainer.train_batch_size,
+            seed=cfg.trainer.seed,
+            step=step,
+            round=round,
+        )
+        seed = _step_seed(cfg.trainer.seed, step) + round * _ROUND_SEED_STRIDE
+        generator = GymGenerator(
+            clients, self.tokenizer, dataclasses.replace(self.gen_config, seed=seed)
+        )
+        output = await generator.generate(self._input(tasks, cfg.generator.n_samples_per_prompt))
+        return tasks, output
+
+    async def _dynamic_sampling(
+        self,
+        step: int,
+        clients: list[Any],
+        first: GeneratorOutput,
+        metrics: dict[str, float],
+    ) -> GeneratorOutput:
+        """The batch to train on (``trainer.algorithm.dynamic_sampling``), still
+        ``train_batch_size`` whole groups; adds ``dynamic_sampling/*`` to ``metrics``."""
+        ds = self.cfg.trainer.algorithm.dynamic_sampling
+        n = self.cfg.generator.n_samples_per_prompt
+        if ds.type is None:
+            return first
+        num_groups = self.cfg.trainer.train_batch_size
+        if ds.type == "replace":
+            plan = plan_replace(
+                varying_groups(first.rewards, n),
+                min_replace_ratio=ds.min_replace_ratio,
+                rng=random.Random(f"{self.cfg.trainer.seed}:replace:{step}"),
+            )
+            chosen = first.take(trajectory_indices(plan, n))
+            rounds = 1
+        else:
+            outputs, flags = [first], [varying_groups(first.rewards, n)]
+            while len(outputs) < ds.max_sample_batches and sum(map(sum, flags)) < num_groups:
+                _, more = await self._generate(step, clients, round=len(outputs))
+                outputs.append(more)
+                flags.append(varying_groups(more.rewards, n))
+            picks = plan_filter(flags, num_groups)
+            chosen = concat_outputs([outputs[r].take(trajectory_indices([g], n)) for r, g in picks])
+            rounds = len(outputs)
+        varying = varying_groups(chosen.rewards, n)
+        metrics["dynamic_sampling/rounds"] = float(rounds)
+        metrics["dynamic_sampling/varying_group_frac"] = sum(varying) / len(varying)
+        return chosen
 
     async def evaluate(self, clients: list[Any]) -> dict[str, float]:
         """Greedy rollouts of every held-out prompt: the mean reward (and per data
@@ -260,6 +316,10 @@ class GRPOLoop:
         found = verify_checkpoint(folder, hash_files=False)
         await self.policy.load_checkpoint(str(found.folder))
         return found.step
+
+
+_ROUND_SEED_STRIDE = 7_919
+"""Request seeds of a step's extra dynamic-sampling rounds sit this far from its first."""
 
 
 def _step_seed(seed: int, step: int) -> int:

@@ -29,9 +29,11 @@ import torch
 from inference.models.checkpoint import inspect_checkpoint
 from skyrl_train.algorithms import (
     gspo_policy_loss,
+    kl_penalty,
     logprob_mismatch,
     mean_token_entropy,
     ppo_policy_loss,
+    token_mean_entropy,
 )
 from skyrl_train.config.schema import PPOConfig
 from skyrl_train.dataset.batch import TrainingBatch
@@ -88,6 +90,9 @@ class PolicyTrainer:
         """The model folder the run trains (``config.model_source.model_checkpoint``)."""
         self.pad_token_id = pad_token_id
         self.worker: MegatronPolicyWorker
+        self.reference: dict[str, torch.Tensor] | None = None
+        """This rank's initial parameters (``trainer.ref``); None when neither the KL
+        metric nor the KL loss needs them."""
         self.info = RankInfo(rank=0, world_size=1, dp_rank=0, dp_size=1, ep_size=1)
         self.syncer = WeightSyncer(
             mode=cfg.trainer.weight_sync.mode, max_threads=cfg.trainer.weight_sync.max_threads
@@ -140,6 +145,10 @@ class PolicyTrainer:
             pad_token_id=self.pad_token_id,
         ).setup()
         self.worker.load_weights(checkpoint_weights(self.checkpoint))
+        if cfg.trainer.ref.log_kl or cfg.trainer.algorithm.use_kl_loss:
+            # Taken before any resume (load_checkpoint comes later): the reference is
+            # the run's starting point, so a resumed run measures the same KL.
+            self.reference = self.worker.parameter_snapshot()
         self.info = RankInfo(
             rank=rank,
             world_size=world_size,
@@ -217,6 +226,20 @@ class PolicyTrainer:
                 ).to_metrics("mismatch_trained")
             )
         batch.old_logprobs = as_trained.logprobs
+        if self.reference is not None:
+            with self.worker.swapped_weights(self.reference):
+                ref_logprobs = self.worker.forward(
+                    batch,
+                    micro_batch_size=t.micro_forward_batch_size_per_gpu,
+                    replay_routes=replay,
+                ).logprobs
+            # k3 KL(policy || initial policy) on the rollout's tokens, policy side as
+            # trained: how far training has moved the policy.
+            metrics["policy/kl_to_ref"] = float(
+                kl_penalty(as_trained.logprobs, ref_logprobs, batch.loss_mask)
+            )
+            if t.algorithm.use_kl_loss:
+                batch.ref_logprobs = ref_logprobs
         metrics.update(
             self._update(batch, replay=replay, mini_batch_tokens=mini_batch_tokens, step=step)
         )
@@ -262,7 +285,11 @@ class PolicyTrainer:
 
                 loss_fn = self._loss_fn(tokens, clip_counts, tis_means)
                 result = self.worker.train_step(
-                    part, loss_fn=loss_fn, micro_batch_size=micro, replay_routes=replay
+                    part,
+                    loss_fn=loss_fn,
+                    micro_batch_size=micro,
+                    replay_routes=replay,
+                    entropy=t.algorithm.use_entropy_loss,
                 )
                 where = f"rank {self.info.rank}, optimizer step {len(grad_norms) + 1}"
                 require_finite(result.loss, quantity="train/policy_loss", step=step, where=where)
@@ -290,7 +317,9 @@ class PolicyTrainer:
     ) -> Any:
         algo = self.cfg.trainer.algorithm
 
-        def loss_fn(logprobs: torch.Tensor, mb: TrainingBatch) -> torch.Tensor:
+        def loss_fn(
+            logprobs: torch.Tensor, mb: TrainingBatch, entropy: torch.Tensor | None = None
+        ) -> torch.Tensor:
             assert mb.old_logprobs is not None and mb.advantages is not None
             use_tis = algo.use_tis and mb.rollout_logprobs is not None
             common: dict[str, Any] = dict(
@@ -319,7 +348,22 @@ class PolicyTrainer:
             clip_counts.append((out.metrics["clip_fraction"] * count, count))
             if "tis_weight_mean" in out.metrics:
                 tis_means.append(out.metrics["tis_weight_mean"])
-            return out.loss
+            loss = out.loss
+            # Both terms divide by the same global token count as the policy loss, so
+            # the coefficients weigh token means whatever the microbatch split.
+            if algo.use_kl_loss:
+                assert mb.ref_logprobs is not None
+                kl = kl_penalty(logprobs, mb.ref_logprobs, mb.loss_mask, denominator=tokens)
+                loss = loss + algo.kl_loss_coef * kl
+            if algo.use_entropy_loss:
+                if entropy is None:
+                    raise ValueError(
+                        "entropy: expected the worker's per-token entropy with "
+                        "trainer.algorithm.use_entropy_loss, got None"
+                    )
+                bonus = token_mean_entropy(entropy, mb.loss_mask, denominator=tokens)
+                loss = loss - algo.entropy_loss_coef * bonus
+            return loss
 
         return loss_fn
 

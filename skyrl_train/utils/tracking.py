@@ -20,6 +20,7 @@ PLOT_PANELS: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = (
         (("reward/success_rate", "train"), ("eval/success_rate", "eval (greedy)")),
     ),
     ("policy entropy (nats/token)", (("policy/entropy", "response tokens"),)),
+    ("KL to the initial policy (k3, nats/token)", (("policy/kl_to_ref", "policy vs reference"),)),
     (
         "flat groups and clipped tokens (share)",
         (

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,6 +45,9 @@ from skyrl_train.workers.megatron.model import (
 from skyrl_train.workers.megatron.settings import DEFAULT_KEY, MegatronSettings
 
 LossFn = Callable[[torch.Tensor, TrainingBatch], torch.Tensor]
+"""``loss_fn(logprobs [b, R], microbatch) -> scalar``."""
+EntropyLossFn = Callable[[torch.Tensor, TrainingBatch, torch.Tensor], torch.Tensor]
+"""``loss_fn(logprobs [b, R], microbatch, entropy [b, R]) -> scalar`` (``entropy=True``)."""
 
 
 @dataclass(frozen=True)
@@ -140,6 +144,41 @@ class MegatronPolicyWorker:
         """Load HF-named tensors of the architecture's family (the engine's layout);
         returns how many."""
         return convert.load_hf_weights(self._require_model(), named_tensors, self.architecture)
+
+    def parameter_snapshot(self) -> dict[str, torch.Tensor]:
+        """A detached copy of this rank's parameters (its shards), for ``swapped_weights``."""
+        return {name: p.detach().clone() for name, p in self._require_model().named_parameters()}
+
+    @contextmanager
+    def swapped_weights(self, weights: Mapping[str, torch.Tensor]) -> Iterator[None]:
+        """Run the model on ``weights`` (a ``parameter_snapshot``) instead of its own.
+
+        Each parameter's storage is swapped, not copied, and swapped back on exit, an
+        exception included; the routers, layout and replay state stay the model's, so a
+        forward in here replays routes exactly as the policy's does.
+        """
+        params = dict(self._require_model().named_parameters())
+        if weights.keys() != params.keys():
+            missing = sorted(params.keys() - weights.keys())[:3]
+            extra = sorted(weights.keys() - params.keys())[:3]
+            raise ValueError(
+                f"weights: expected this model's {len(params)} parameters, got "
+                f"{len(weights)} (missing {missing}, unexpected {extra})"
+            )
+        own: dict[str, torch.Tensor] = {}
+        try:
+            for name, param in params.items():
+                if weights[name].shape != param.shape:
+                    raise ValueError(
+                        f"weights[{name!r}]: expected shape {tuple(param.shape)}, got "
+                        f"{tuple(weights[name].shape)}"
+                    )
+                own[name] = param.data
+                param.data = weights[name]
+            yield
+        finally:
+            for name, data in own.items():
+                params[name].data = data
 
     def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Stream the weights in the engine's layout, one tensor at a time. With EP > 1
@@ -246,13 +285,16 @@ class MegatronPolicyWorker:
         self,
         batch: TrainingBatch,
         *,
-        loss_fn: LossFn,
+        loss_fn: LossFn | EntropyLossFn,
         micro_batch_size: int,
         replay_routes: bool | None = None,
         trajectory_ids: Sequence[str] | None = None,
+        entropy: bool = False,
     ) -> TrainStepResult:
         """One optimizer step over ``batch`` (this rank's shard), accumulating gradients
-        over microbatches. ``loss_fn(logprobs [b, R], microbatch) -> scalar``."""
+        over microbatches. ``loss_fn(logprobs [b, R], microbatch) -> scalar``; with
+        ``entropy=True`` it also gets the differentiable per-token entropy ``[b, R]``
+        (``EntropyLossFn``), for an entropy bonus."""
         model, optimizer = self._require_model(), self.optimizer
         assert optimizer is not None
         do_replay = self._check_replay(batch, replay_routes, trajectory_ids)
@@ -266,8 +308,12 @@ class MegatronPolicyWorker:
             # the global replay state after backward, and on any exception.
             with self._replay_or_nothing(layout, do_replay) as handle:
                 logits = self._logits(layout)
-                logprobs = response_logprobs(logits, layout, mb.response_mask)
-                loss = loss_fn(logprobs, batch_to(mb, logprobs.device))
+                if entropy:
+                    logprobs, ent = response_logprobs_and_entropy(logits, layout, mb.response_mask)
+                    loss = loss_fn(logprobs, batch_to(mb, logprobs.device), ent)  # type: ignore[call-arg]
+                else:
+                    logprobs = response_logprobs(logits, layout, mb.response_mask)
+                    loss = loss_fn(logprobs, batch_to(mb, logprobs.device))  # type: ignore[call-arg]
                 if handle is not None:
                     handle.backward_phase()
                 (loss / len(micro)).backward()

@@ -11,7 +11,6 @@ from skyrl_train.config import load_config, refuse_replay_incompatible, validate
 from skyrl_train.errors import ConfigValidationError
 
 POLICY = "trainer.policy.megatron_config"
-REF = "trainer.ref.megatron_config"
 KW = "transformer_config_kwargs"
 
 
@@ -94,24 +93,12 @@ def test_replay_refuses_missing_routes() -> None:
     assert "generator.inference_engine.enable_return_routed_experts" in err.reason
 
 
-def test_ref_twin_is_checked_when_the_ref_model_is_built() -> None:
-    fusion = f"+{REF}.{KW}.moe_router_fusion=true"
-    # Layouts that defeat replay are refused for ref too, with or without the KL loss.
-    assert _refusal([fusion]).key == f"{REF}.{KW}.moe_router_fusion"
-    assert _refusal([f"{REF}.virtual_pipeline_model_parallel_size=2"]).key == (
-        f"{REF}.virtual_pipeline_model_parallel_size"
-    )
-    validate_cfg(load_config([fusion, f"{REF}.moe_enable_routing_replay=false"]))
-    err = _refusal([fusion, "trainer.algorithm.use_kl_loss=true"])
-    assert err.key == f"{REF}.{KW}.moe_router_fusion"
-    err = _refusal(
-        [
-            "trainer.algorithm.use_kl_loss=true",
-            "generator.inference_engine.enable_return_routed_experts=false",
-            f"{POLICY}.moe_enable_routing_replay=false",
-        ]
-    )
-    assert err.key == f"{REF}.moe_enable_routing_replay"
+def test_the_reference_has_no_megatron_settings_of_its_own() -> None:
+    # It swaps its weights into the policy's model, so a second layout would be a lie.
+    with pytest.raises(ConfigValidationError) as info:
+        load_config(["trainer.ref.megatron_config.context_parallel_size=1"])
+    assert info.value.key.startswith("trainer.ref.megatron_config")
+    validate_cfg(load_config(["trainer.algorithm.use_kl_loss=true", "trainer.ref.log_kl=false"]))
 
 
 def test_refuse_replay_incompatible_for_resolved_worker_settings() -> None:
@@ -293,9 +280,36 @@ def test_unknown_algorithm_names_are_refused_naming_the_key(
     assert str(info.value) == f"{key}: expected one of {allowed}, got '{value}'"
 
 
-def test_kl_loss_is_refused_since_no_reference_model_is_built() -> None:
-    err = _refusal(["trainer.algorithm.use_kl_loss=true"])
-    assert err.key == "trainer.algorithm.use_kl_loss"
+@pytest.mark.parametrize(
+    ("override", "key", "reason"),
+    [
+        (
+            "dynamic_sampling.max_sample_batches=0",
+            "max_sample_batches",
+            "expected an int >= 1, got 0",
+        ),
+        ("dynamic_sampling.min_replace_ratio=1.5", "min_replace_ratio", "got 1.5"),
+        ("entropy_loss_coef=-0.1", "entropy_loss_coef", "-0.1"),
+    ],
+)
+def test_regularizers_and_dynamic_sampling_are_range_checked(
+    override: str, key: str, reason: str
+) -> None:
+    err = _refusal([f"trainer.algorithm.{override}"])
+    assert err.key.endswith(key) and reason in err.reason
+
+
+def test_dynamic_sampling_type_is_one_of_its_names() -> None:
+    with pytest.raises(ConfigValidationError) as info:
+        load_config(["trainer.algorithm.dynamic_sampling.type=dapo"])
+    assert info.value.key == "trainer.algorithm.dynamic_sampling.type"
+    assert "'filter'" in str(info.value) and "'dapo'" in str(info.value)
+    err = _refusal(
+        ["trainer.algorithm.dynamic_sampling.type=filter", "generator.n_samples_per_prompt=1",
+         "trainer.algorithm.advantage_estimator=reinforce++"]
+    )  # fmt: skip
+    assert err.key == "trainer.algorithm.dynamic_sampling.type"
+    assert "n_samples_per_prompt 1" in err.reason
 
 
 def test_validate_cfg_takes_a_composed_hydra_config_too() -> None:

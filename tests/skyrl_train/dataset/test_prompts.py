@@ -156,6 +156,15 @@ def test_steps_walk_epochs_deterministically(tmp_path: Path) -> None:
     assert flat[:10] != flat[10:20]  # a fresh permutation per epoch
 
 
+def test_extra_sampling_rounds_draw_their_own_reproducible_prompts(tmp_path: Path) -> None:
+    tasks = _load([_jsonl(tmp_path / "d.jsonl", [_row(i) for i in range(10)])])
+    first = sample_step(tasks, batch_size=4, seed=3, step=2)
+    assert sample_step(tasks, batch_size=4, seed=3, step=2, round=0) == first
+    extra = [sample_step(tasks, batch_size=4, seed=3, step=2, round=r) for r in (1, 2)]
+    assert extra[0] != first and extra[1] != extra[0]
+    assert extra[0] == sample_step(tasks, batch_size=4, seed=3, step=2, round=1)
+
+
 def test_without_files_the_generated_datasets_are_used() -> None:
     cfg = load_config(["trainer.eval_batch_size=5"])
     datasets = load_datasets(cfg)

@@ -86,7 +86,9 @@ class SolvedGenerator:
         )
 
 
-def _run(tmp_path: Path, estimator: str) -> tuple[list[dict[str, Any]], list[str], Any]:
+def _run(
+    tmp_path: Path, estimator: str, *overrides: str
+) -> tuple[list[dict[str, Any]], list[str], Any]:
     cfg = load_config(
         [
             f"trainer.run_dir={tmp_path}",
@@ -100,6 +102,7 @@ def _run(tmp_path: Path, estimator: str) -> tuple[list[dict[str, Any]], list[str
             "trainer.ckpt_interval=0",
             "logging.progress_bar=false",
             "logging.tensorboard=false",
+            *overrides,
         ]
     )
     trainer = PolicyTrainer(cfg, checkpoint=str(tmp_path), pad_token_id=0)
@@ -159,3 +162,90 @@ def test_no_success_rate_without_solved(tmp_path: Path, monkeypatch: pytest.Monk
     rows, lines, _ = _run(tmp_path, "grpo")
     assert all("reward/success_rate" not in row and "eval/success_rate" not in row for row in rows)
     assert all(" success=" not in line for line in lines)
+
+
+class RoundGenerator(SolvedGenerator):
+    """The first round of a step as ``SolvedGenerator`` (group 1 flat); extra dynamic
+    sampling rounds, told apart by their request seed (a step's first round uses the
+    step number with trainer.seed 0), score (0.9, 0.1) in every group."""
+
+    rounds: list[int] = []
+
+    def __init__(self, clients: object, tokenizer: object, config: Any) -> None:
+        self.extra = config.temperature > 0 and config.seed > 1000
+
+    async def generate(self, inputs: Any) -> GeneratorOutput:
+        out = await super().generate(inputs)
+        if len(inputs.prompts) == PROMPTS * N_SAMPLES:  # not the eval rollout
+            RoundGenerator.rounds.append(int(self.extra))
+        if not self.extra:
+            return out
+        rewards = [0.9, 0.1] * (len(inputs.prompts) // 2)
+        return dataclasses.replace(out, rewards=rewards, solved=[False] * len(rewards))
+
+
+def test_filter_trains_on_resampled_groups_and_logs_the_first_round(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(loop_module, "GymGenerator", RoundGenerator)
+    monkeypatch.setattr(RoundGenerator, "rounds", [])
+    rows, _, worker = _run(
+        tmp_path,
+        "grpo",
+        "trainer.algorithm.dynamic_sampling.type=filter",
+        "trainer.algorithm.dynamic_sampling.max_sample_batches=3",
+    )
+    # One extra round per step was enough: 1 + 2 varying groups >= 2.
+    assert RoundGenerator.rounds == [0, 1, 0, 1]
+    for row in rows:
+        assert row["dynamic_sampling/rounds"] == 2.0
+        assert row["dynamic_sampling/varying_group_frac"] == 1.0
+        # Reward, success and flat share are the policy's own first-round samples.
+        assert row["advantage/zero_variance_group_frac"] == 0.5
+        assert row["reward/success_rate"] == 0.25
+        assert row["reward/mean"] == pytest.approx(0.35)
+    # Trained on the first round's varying group, then the extra round's first group:
+    # every generated token of the batch has a nonzero advantage.
+    trained = worker.advantages[0]
+    assert (trained[:, 0] != 0).all() and (trained[:, 2] != 0).all()
+
+
+def test_filter_stops_at_max_sample_batches_and_fills_with_flat_groups(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(loop_module, "GymGenerator", SolvedGenerator)
+    rows, _, worker = _run(
+        tmp_path,
+        "grpo",
+        "trainer.algorithm.dynamic_sampling.type=filter",
+        "trainer.algorithm.dynamic_sampling.max_sample_batches=2",
+    )
+    assert [row["dynamic_sampling/rounds"] for row in rows] == [2.0, 2.0]
+    assert [row["dynamic_sampling/varying_group_frac"] for row in rows] == [1.0, 1.0]
+    # Each round's group 0 varies: two of them make the batch, no flat group needed.
+    assert (worker.advantages[0][:, 0] != 0).all()
+
+
+def test_replace_copies_the_varying_group_over_the_flat_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(loop_module, "GymGenerator", SolvedGenerator)
+    rows, _, worker = _run(
+        tmp_path,
+        "grpo",
+        "trainer.algorithm.dynamic_sampling.type=replace",
+        "trainer.algorithm.dynamic_sampling.min_replace_ratio=0.5",
+    )
+    assert [row["dynamic_sampling/rounds"] for row in rows] == [1.0, 1.0]
+    assert [row["dynamic_sampling/varying_group_frac"] for row in rows] == [1.0, 1.0]
+    trained = worker.advantages[0]
+    assert torch.equal(trained[2:], trained[:2]) and (trained[:, 0] != 0).all()
+    # Above the ratio nothing is replaced: the flat group trains with zero advantage.
+    rows, _, worker = _run(
+        tmp_path / "high",
+        "grpo",
+        "trainer.algorithm.dynamic_sampling.type=replace",
+        "trainer.algorithm.dynamic_sampling.min_replace_ratio=0.75",
+    )
+    assert rows[0]["dynamic_sampling/varying_group_frac"] == 0.5
+    assert worker.advantages[0][2:].abs().sum().item() == 0.0

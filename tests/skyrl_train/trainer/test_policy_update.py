@@ -5,6 +5,8 @@ for both loss types; the old-logprob forward's entropy is logged over loss token
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from skyrl_train.algorithms import gspo_policy_loss, ppo_policy_loss
+from skyrl_train.algorithms import gspo_policy_loss, kl_penalty, ppo_policy_loss, token_mean_entropy
 from skyrl_train.config.loader import load_config
 from skyrl_train.dataset.batch import TrainingBatch
 from skyrl_train.trainer.policy import PolicyTrainer
@@ -145,3 +147,104 @@ def test_logged_loss_is_the_mini_batch_token_mean(
     assert metrics["train/policy_loss"] == pytest.approx(float(np.mean(direct_losses)), rel=1e-5)
     assert metrics["policy/entropy"] == 1.0
     assert metrics["policy/num_tokens"] == float(batch.loss_mask.sum())
+
+
+class RegularizedWorker(TableWorker):
+    """``TableWorker`` with a reference (``swapped_weights`` swaps the logprob table the
+    forward reads) and a per-token entropy handed to the loss, differentiable through
+    the table: entropy = -logprob, so its gradient is known."""
+
+    @contextmanager
+    def swapped_weights(self, weights: dict[str, torch.Tensor]) -> Iterator[None]:
+        own, self.old = self.old, weights["table"]
+        try:
+            yield
+        finally:
+            self.old = own
+
+    def train_step(
+        self, batch: TrainingBatch, *, loss_fn: Any, micro_batch_size: int, **options: Any
+    ) -> TrainStepResult:
+        assert options["entropy"] is True
+
+        def with_entropy(logprobs: torch.Tensor, mb: TrainingBatch) -> torch.Tensor:
+            return loss_fn(logprobs, mb, -logprobs)
+
+        return super().train_step(batch, loss_fn=with_entropy, micro_batch_size=micro_batch_size)
+
+
+def test_kl_and_entropy_terms_join_the_token_mean_loss(tmp_path: Path) -> None:
+    cfg = load_config(
+        [
+            f"trainer.run_dir={tmp_path}",
+            f"trainer.train_batch_size={PROMPTS}",
+            f"trainer.policy_mini_batch_size={PROMPTS}",
+            f"trainer.micro_train_batch_size_per_gpu={ROWS // 4}",
+            f"generator.n_samples_per_prompt={N_SAMPLES}",
+            "trainer.algorithm.use_kl_loss=true",
+            "trainer.algorithm.kl_loss_coef=0.5",
+            "trainer.algorithm.use_entropy_loss=true",
+            "trainer.algorithm.entropy_loss_coef=0.1",
+        ]
+    )
+    generator = torch.Generator().manual_seed(7)
+    old = -torch.rand(ROWS, WIDTH, generator=generator) * 3
+    current = old + torch.randn(ROWS, WIDTH, generator=generator) * 0.3
+    ref = old + torch.randn(ROWS, WIDTH, generator=generator) * 0.5
+    trainer = PolicyTrainer(cfg, checkpoint=str(tmp_path), pad_token_id=0)
+    worker = RegularizedWorker(current, old)
+    trainer.worker = worker  # type: ignore[assignment]
+    trainer.reference = {"table": ref}
+    batch = _batch(generator)
+
+    metrics = trainer.train(batch, step=1)
+
+    mask, response = batch.loss_mask, batch.response_mask
+    assert metrics["policy/kl_to_ref"] == pytest.approx(
+        float(kl_penalty(old * response, ref * response, mask)), rel=1e-6
+    )
+    table = current.clone().requires_grad_()
+    logprobs = table * response
+    algo = cfg.trainer.algorithm
+    policy = ppo_policy_loss(
+        logprobs,
+        old * response,
+        batch.advantages,  # type: ignore[arg-type]
+        mask,
+        eps_clip_low=algo.eps_clip_low,
+        eps_clip_high=algo.eps_clip_high,
+    ).loss
+    kl = kl_penalty(logprobs, ref * response, mask)
+    entropy = token_mean_entropy(-logprobs, mask)
+    (policy + 0.5 * kl - 0.1 * entropy).backward()
+    assert torch.allclose(worker.grads[0], table.grad, atol=1e-6)
+    # Each term moved the gradient: without them it would be the policy loss's alone.
+    bare = current.clone().requires_grad_()
+    ppo_policy_loss(
+        bare * response,
+        old * response,
+        batch.advantages,  # type: ignore[arg-type]
+        mask,
+        eps_clip_low=algo.eps_clip_low,
+        eps_clip_high=algo.eps_clip_high,
+    ).loss.backward()
+    assert not torch.allclose(worker.grads[0], bare.grad, atol=1e-4)
+
+
+def test_entropy_loss_without_the_workers_entropy_fails_loudly(tmp_path: Path) -> None:
+    cfg = load_config(
+        [
+            f"trainer.run_dir={tmp_path}",
+            f"trainer.train_batch_size={PROMPTS}",
+            f"trainer.policy_mini_batch_size={PROMPTS}",
+            f"generator.n_samples_per_prompt={N_SAMPLES}",
+            "trainer.algorithm.use_entropy_loss=true",
+            "trainer.ref.log_kl=false",
+        ]
+    )
+    generator = torch.Generator().manual_seed(3)
+    old = -torch.rand(ROWS, WIDTH, generator=generator)
+    trainer = PolicyTrainer(cfg, checkpoint=str(tmp_path), pad_token_id=0)
+    trainer.worker = TableWorker(old, old)  # type: ignore[assignment]
+    with pytest.raises(ValueError, match="use_entropy_loss, got None"):
+        trainer.train(_batch(generator), step=1)

@@ -64,5 +64,6 @@ def test_every_learning_signal_has_a_plot_series_and_a_line_label() -> None:
         "policy/entropy",
         "advantage/zero_variance_group_frac",
         "policy/clip_fraction",
+        "policy/kl_to_ref",
     ):
         assert key in plotted and key in labelled, key

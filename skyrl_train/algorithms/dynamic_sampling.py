@@ -1,0 +1,66 @@
+"""Dynamic sampling: which groups a step trains on when some are flat.
+
+A flat group (every sample of a prompt scored the same) has all-zero GRPO/RLOO
+advantages, so it adds tokens to the loss's denominator and nothing to its gradient.
+On the default run the share of flat groups reaches 1.0 within 8 steps once the policy
+collapses onto one guess sequence. Two remedies, named as in SkyRL:
+
+- ``filter`` (DAPO): keep the groups that vary and sample more prompts until a full
+  batch varies (``plan_filter``);
+- ``replace`` (POLARIS): copy varying groups over the flat ones (``plan_replace``).
+
+Both keep the batch at ``train_batch_size`` whole groups, so mini-batch sizes and data
+parallel shards never change shape; plans are lists of group indices, applied to the
+generator's output by ``GeneratorOutput.take``.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+
+import torch
+
+from skyrl_train.algorithms.advantages import contiguous_groups, flat_groups, group_index
+
+
+def varying_groups(rewards: Sequence[float], group_size: int) -> list[bool]:
+    """Per group of ``group_size`` consecutive trajectories: whether its rewards differ
+    (the same test as ``zero_variance_group_fraction``)."""
+    if group_size < 1 or len(rewards) % group_size:
+        raise ValueError(
+            f"rewards: expected a multiple of group_size {group_size} rewards, got {len(rewards)}"
+        )
+    values = torch.as_tensor(list(rewards), dtype=torch.float64)
+    group, num_groups = group_index(contiguous_groups(len(rewards), group_size))
+    return [not bool(f) for f in flat_groups(values, group, num_groups)]
+
+
+def plan_filter(rounds: Sequence[Sequence[bool]], num_groups: int) -> list[tuple[int, int]]:
+    """``(round, group)`` pairs of a filtered batch from each round's ``varying_groups``:
+    varying groups in the order they were sampled, the first ``num_groups`` of them; when
+    the rounds hold fewer, flat groups (in sampled order) fill the rest."""
+    varying = [(r, g) for r, flags in enumerate(rounds) for g, v in enumerate(flags) if v]
+    flat = [(r, g) for r, flags in enumerate(rounds) for g, v in enumerate(flags) if not v]
+    if len(varying) + len(flat) < num_groups:
+        raise ValueError(
+            f"rounds: expected at least {num_groups} groups in all, got {len(varying) + len(flat)}"
+        )
+    return (varying + flat)[:num_groups]
+
+
+def plan_replace(
+    varying: Sequence[bool], *, min_replace_ratio: float, rng: random.Random
+) -> list[int]:
+    """Source group of each slot: a varying group keeps its slot; a flat slot gets a
+    varying group drawn at random (``rng``). Unchanged (``range``) when fewer than
+    ``min_replace_ratio`` of the groups vary: copies of so few would dominate the step."""
+    keep = [g for g, v in enumerate(varying) if v]
+    if not keep or len(keep) < min_replace_ratio * len(varying):
+        return list(range(len(varying)))
+    return [g if v else rng.choice(keep) for g, v in enumerate(varying)]
+
+
+def trajectory_indices(groups: Sequence[int], group_size: int) -> list[int]:
+    """Trajectory indices of whole groups, in order: group g is rows g*n .. g*n+n-1."""
+    return [g * group_size + i for g in groups for i in range(group_size)]
