@@ -34,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from skyrl_train.config.loader import load_config  # noqa: E402
 from skyrl_train.entrypoints.main_base import run  # noqa: E402
+from skyrl_train.utils.cpu_topology import cpu_model  # noqa: E402
 
 REPLAY_KEY = "trainer.policy.megatron_config.moe_enable_routing_replay"
 ALG = "trainer.algorithm"
@@ -129,16 +130,6 @@ def plot(results: dict[str, list[list[dict[str, float]]]], png: Path, title: str
     fig.tight_layout()
     fig.savefig(png, dpi=110)
     plt.close(fig)
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def main() -> None:

@@ -37,6 +37,7 @@ class RepeatLetterEnv(Env):
             )
         self.letters = letters
         self.max_turns = len(letters)
+        self.all_correct = True
 
     def _step(self, action: str, turn: int) -> StepOutput:
         share = 1.0 / self.max_turns
@@ -46,11 +47,15 @@ class RepeatLetterEnv(Env):
         reward = (0.5 * share if valid else 0.0) + (0.5 * share if correct else 0.0)
         nxt = self.letters[turn + 1] if turn + 1 < self.max_turns else ""
         message = nxt if correct else f"no. {nxt}"
+        self.all_correct = (turn == 0 or self.all_correct) and correct  # a new episode at turn 0
+        # Solved: every letter repeated. Reported on every step (False until the last
+        # one), so episodes cut short by the token budget count as unsolved.
+        solved = self.all_correct and turn == self.max_turns - 1
         return StepOutput(
             [{"role": "user", "content": message}],
             reward,
             False,
-            {"valid": valid, "correct": correct},
+            {"valid": valid, "correct": correct, "solved": solved},
         )
 
     @classmethod

@@ -122,7 +122,7 @@ class GeneratorConfig:
     n_samples_per_prompt: int = 8
     """GRPO group size: trajectories per prompt."""
     max_turns: int = 3
-    max_tokens_per_turn: int = 4
+    max_tokens_per_turn: int = 1
     max_trajectory_tokens: int = 256
     """Prompt + all turns' tokens; a trajectory that reaches it stops with "length"."""
     max_concurrent_trajectories: int = 32
@@ -154,7 +154,7 @@ class MegatronConfig:
 
 @dataclass(frozen=True)
 class OptimizerConfig:
-    lr: float = 3e-3
+    lr: float = 1e-3
     adam_betas: tuple[float, float] = (0.9, 0.999)
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
@@ -202,7 +202,7 @@ class AlgorithmConfig:
     advantage_estimator: Literal["grpo", "rloo", "reinforce++"] = "grpo"
     """"grpo": group-normalised; "rloo": leave-one-out group baseline; "reinforce++":
     returns whitened over the batch's tokens (``algorithms.advantages``)."""
-    norm_adv_by_std_in_grpo: bool = True
+    norm_adv_by_std_in_grpo: bool = False
     """Divide GRPO's centred rewards by the group std (grpo only)."""
     advantage_eps: float = 1e-6
     policy_loss_type: Literal["regular", "gspo"] = "regular"
@@ -220,7 +220,7 @@ class AlgorithmConfig:
     use_kl_loss: bool = False
     """Adds ``kl_loss_coef`` x the k3 KL of the policy to the reference (``trainer.ref``)."""
     kl_loss_coef: float = 0.001
-    use_entropy_loss: bool = False
+    use_entropy_loss: bool = True
     """Subtracts ``entropy_loss_coef`` x the token-mean entropy of the policy from the
     loss: a bonus that slows the collapse onto one answer."""
     entropy_loss_coef: float = 0.01
@@ -247,7 +247,7 @@ class WeightSyncConfig:
 @dataclass(frozen=True)
 class TrainerConfig:
     seed: int = 0
-    num_steps: int = 40
+    num_steps: int = 60
     train_batch_size: int = 8
     """Prompts per training step (trajectories = this x n_samples_per_prompt)."""
     policy_mini_batch_size: int = 8
@@ -259,7 +259,7 @@ class TrainerConfig:
     update_epochs_per_batch: int = 1
     eval_interval: int = 5
     """Steps between evaluations; 0 turns evaluation off."""
-    eval_batch_size: int = 16
+    eval_batch_size: int = 30
     """Prompts per evaluation (one greedy sample each)."""
     ckpt_interval: int = 0
     """Steps between checkpoints; 0 turns checkpointing off."""

@@ -107,6 +107,14 @@ def test_repeat_letter_rewards_per_turn_and_feedback():
     total, outs = run("repeat_letter", ["z", "9", "c"], letters="abc")
     assert total == pytest.approx(0.5 / 3 + 0 + 1 / 3)
     assert outs[0].observations[0]["content"] == "no. b" and outs[-1].done
+    assert [o.metadata["solved"] for o in outs] == [False, False, False]
+
+
+def test_repeat_letter_is_solved_only_when_every_letter_was_repeated():
+    _, outs = run("repeat_letter", ["a", "b", "c"], letters="abc")
+    assert [o.metadata["solved"] for o in outs] == [False, False, True]
+    _, outs = run("repeat_letter", ["x", "b", "c"], letters="abc")
+    assert [o.metadata["solved"] for o in outs] == [False, False, False]
 
 
 def test_single_digit_sum_is_single_turn():

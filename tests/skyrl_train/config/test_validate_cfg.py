@@ -157,7 +157,7 @@ def test_transformer_kwargs_cannot_override_owned_keys(name: str, where: str) ->
         (["generator.n_samples_per_prompt=1", "trainer.algorithm.advantage_estimator=rloo"], "generator.n_samples_per_prompt", "advantage_estimator 'rloo'"),
         (["trainer.algorithm.policy_loss_type=gspo", "trainer.algorithm.clip_ratio_c=3.0"], "trainer.algorithm.clip_ratio_c", "policy_loss_type 'gspo'"),
         (["generator.max_trajectory_tokens=4096"], "generator.max_trajectory_tokens", "max_position_embeddings (2048)"),
-        (["generator.max_trajectory_tokens=3"], "generator.max_trajectory_tokens", ">= 4"),
+        (["generator.max_trajectory_tokens=3", "generator.max_tokens_per_turn=4"], "generator.max_trajectory_tokens", ">= 4"),
         (["generator.sampling_params.top_p=0"], "generator.sampling_params.top_p", "0 < top_p"),
         (["generator.eval_sampling_params.top_k=0"], "generator.eval_sampling_params.top_k", "-1 (no cut)"),
         (["generator.sampling_params.temperature=-1"], "generator.sampling_params.temperature", "0 (greedy) or a number in [1e-06, 100]"),

@@ -38,7 +38,10 @@ class NaNWorker:
         return ForwardResult(logprobs=torch.zeros(batch.loss_mask.shape))
 
     def train_step(self, batch: TrainingBatch, *, loss_fn: Any, **options: Any) -> TrainStepResult:
-        loss = float(loss_fn(torch.zeros(batch.loss_mask.shape), batch))
+        zeros = torch.zeros(batch.loss_mask.shape)
+        # Like the real worker: the per-token entropy joins the call when asked for.
+        extra = [zeros] if options.get("entropy") else []
+        loss = float(loss_fn(zeros, batch, *extra))
         if self.poison == "weight":
             with torch.no_grad():
                 self.model[1].bias[1] = math.nan

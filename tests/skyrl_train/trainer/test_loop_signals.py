@@ -47,7 +47,9 @@ class ConstantWorker:
         assert batch.advantages is not None
         self.advantages.append(batch.advantages.clone())
         logprobs = -batch.response_mask.float().requires_grad_()
-        loss = loss_fn(logprobs, batch)
+        # Like the real worker: the per-token entropy joins the call when asked for.
+        extra = [0.5 * batch.response_mask.float()] if options.get("entropy") else []
+        loss = loss_fn(logprobs, batch, *extra)
         return TrainStepResult(
             loss=float(loss.detach()), grad_norm=0.1, num_microbatches=1, replayed=False
         )
@@ -210,20 +212,30 @@ def test_filter_trains_on_resampled_groups_and_logs_the_first_round(
     assert (trained[:, 0] != 0).all() and (trained[:, 2] != 0).all()
 
 
+class FlatGenerator(SolvedGenerator):
+    """Every group flat (every reward 0.2), in every round."""
+
+    async def generate(self, inputs: Any) -> GeneratorOutput:
+        out = await super().generate(inputs)
+        return dataclasses.replace(out, rewards=[0.2] * len(out.rewards))
+
+
 def test_filter_stops_at_max_sample_batches_and_fills_with_flat_groups(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(loop_module, "GymGenerator", SolvedGenerator)
+    monkeypatch.setattr(loop_module, "GymGenerator", FlatGenerator)
     rows, _, worker = _run(
         tmp_path,
         "grpo",
         "trainer.algorithm.dynamic_sampling.type=filter",
-        "trainer.algorithm.dynamic_sampling.max_sample_batches=2",
+        "trainer.algorithm.dynamic_sampling.max_sample_batches=3",
     )
-    assert [row["dynamic_sampling/rounds"] for row in rows] == [2.0, 2.0]
-    assert [row["dynamic_sampling/varying_group_frac"] for row in rows] == [1.0, 1.0]
-    # Each round's group 0 varies: two of them make the batch, no flat group needed.
-    assert (worker.advantages[0][:, 0] != 0).all()
+    # Nothing varies: every step gives up after 3 rounds and trains on flat groups.
+    assert [row["dynamic_sampling/rounds"] for row in rows] == [3.0, 3.0]
+    assert [row["dynamic_sampling/varying_group_frac"] for row in rows] == [0.0, 0.0]
+    assert [row["advantage/zero_variance_group_frac"] for row in rows] == [1.0, 1.0]
+    assert worker.advantages[0].shape[0] == PROMPTS * N_SAMPLES
+    assert worker.advantages[0].abs().sum().item() == 0.0
 
 
 def test_replace_copies_the_varying_group_over_the_flat_one(

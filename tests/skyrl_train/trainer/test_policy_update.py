@@ -112,6 +112,8 @@ def test_logged_loss_is_the_mini_batch_token_mean(
             f"trainer.algorithm.policy_loss_type={loss_type}",
             f"trainer.algorithm.eps_clip_low={clip}",
             f"trainer.algorithm.eps_clip_high={clip}",
+            # The policy loss alone: the entropy bonus has its own test below.
+            "trainer.algorithm.use_entropy_loss=false",
         ]
     )
     generator = torch.Generator().manual_seed(num_micro)
