@@ -95,14 +95,11 @@ def spread(values: list[float]) -> dict[str, float]:
 
 
 def curve(histories: list[list[dict[str, float]]], key: str) -> tuple[np.ndarray, np.ndarray]:
-    """Steps at which every seed logged ``key`` and the values ``[seeds, steps]``."""
-    steps = sorted(
-        set.intersection(*({int(h["step"]) for h in hist if key in h} for hist in histories))
-    )
-    values = np.array(
-        [[next(h[key] for h in hist if int(h["step"]) == s) for s in steps] for hist in histories]
-    )
-    return np.asarray(steps), values
+    """Steps at which every seed logged ``key`` and the values ``[seeds, steps]``; a
+    history's entry i is step i + 1 (``run`` starts at step 0)."""
+    logged = [{i + 1: h[key] for i, h in enumerate(hist) if key in h} for hist in histories]
+    steps = sorted(set.intersection(*(set(d) for d in logged)))
+    return np.asarray(steps), np.array([[d[s] for s in steps] for d in logged])
 
 
 def plot(results: dict[str, list[list[dict[str, float]]]], png: Path, title: str) -> None:
@@ -132,27 +129,17 @@ def plot(results: dict[str, list[list[dict[str, float]]]], png: Path, title: str
     plt.close(fig)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seeds", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=None, help="default: the config's")
-    parser.add_argument("--arms", default=",".join(ARMS))
-    parser.add_argument("--png", type=Path, default=Path("compare_r3.png"))
-    parser.add_argument("--json", action="store_true")
-    args, overrides = parser.parse_known_args()
-    arms = args.arms.split(",")
-    unknown = [a for a in arms if a not in ARMS]
-    if unknown or args.seeds < 1:
-        parser.error(f"--arms: expected names from {list(ARMS)}, got {unknown}; --seeds >= 1")
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    steps = [f"trainer.num_steps={args.steps}"] if args.steps else []
+def run_arms(
+    arms: list[str], seeds: int, overrides: list[str], out: Path | None
+) -> dict[str, list[list[dict[str, float]]]]:
+    """Every arm once per seed, arms alternating within a seed (drift hits all alike);
+    the histories are written to ``out`` after each run, so a crash loses nothing."""
     histories: dict[str, list[list[dict[str, float]]]] = {arm: [] for arm in arms}
     with tempfile.TemporaryDirectory() as tmp:
-        for seed in range(args.seeds):
-            for arm in arms:  # arms alternate within a seed: drift hits all alike
+        for seed in range(seeds):
+            for arm in arms:
                 cfg = load_config(
                     [
-                        *steps,
                         "logging.progress_bar=false",
                         "logging.plot=false",
                         f"trainer.run_dir={Path(tmp) / f'{arm}_{seed}'}",
@@ -163,7 +150,40 @@ def main() -> None:
                 )
                 history = run(cfg)
                 histories[arm].append(history)
+                if out is not None:
+                    out.write_text(json.dumps(histories))
                 print(f"done: {arm} seed {seed}: {reduce_history(history)}", flush=True)
+    return histories
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=None, help="default: the config's")
+    parser.add_argument("--arms", default=",".join(ARMS))
+    parser.add_argument("--png", type=Path, default=Path("compare_r3.png"))
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument(
+        "--histories",
+        type=Path,
+        default=None,
+        help="write every run's per-step metrics here (JSON); with --replot, read them",
+    )
+    parser.add_argument("--replot", action="store_true", help="summarise --histories, no runs")
+    args, overrides = parser.parse_known_args()
+    arms = args.arms.split(",")
+    unknown = [a for a in arms if a not in ARMS]
+    if unknown or args.seeds < 1:
+        parser.error(f"--arms: expected names from {list(ARMS)}, got {unknown}; --seeds >= 1")
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    steps = [f"trainer.num_steps={args.steps}"] if args.steps else []
+    if args.replot:
+        if args.histories is None:
+            parser.error("--replot: expected --histories FILE")
+        histories = json.loads(args.histories.read_text())
+        arms = list(histories)
+    else:
+        histories = run_arms(arms, args.seeds, [*steps, *overrides], args.histories)
     summary = {
         arm: {
             key: spread([reduce_history(h)[key] for h in hists])
@@ -173,17 +193,17 @@ def main() -> None:
         for arm, hists in histories.items()
     }
     title = (
-        f"{args.seeds} seeds x {len(histories[arms[0]][0])} steps, overrides: "
+        f"{len(histories[arms[0]])} seeds x {len(histories[arms[0]][0])} steps, overrides: "
         f"{overrides or 'none'}; {cpu_model()}"
     )
     plot(histories, args.png, title)
     if args.json:
-        print(json.dumps({"seeds": args.seeds, "overrides": overrides, **summary}, indent=2))
+        print(json.dumps({"overrides": overrides, **summary}, indent=2))
         return
     print(f"python {platform.python_version()}, {cpu_model()}, {os.cpu_count()} cpus")
     print(title)
     print(f"{'metric (mean ± std over seeds [min..max])':44s}", end="")
-    print("".join(f"{ARMS[a][0]:>30s}" for a in arms))
+    print("".join(f"{ARMS[a][0]:>36s}" for a in arms))
     for key, label, _how in ROWS:
         cells = []
         for arm in arms:
@@ -193,7 +213,7 @@ def main() -> None:
                 if s is None
                 else f"{s['mean']:.4g} ± {s['std']:.2g} [{s['min']:.3g}..{s['max']:.3g}]"
             )
-        print(f"{label:44s}" + "".join(f"{c:>30s}" for c in cells))
+        print(f"{label:44s}" + "".join(f"{c:>36s}" for c in cells))
     print(f"curves: {args.png}")
 
 
