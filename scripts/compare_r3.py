@@ -184,13 +184,14 @@ def main() -> None:
         arms = list(histories)
     else:
         histories = run_arms(arms, args.seeds, [*steps, *overrides], args.histories)
+    reduced = {arm: [reduce_history(h) for h in hists] for arm, hists in histories.items()}
     summary = {
         arm: {
-            key: spread([reduce_history(h)[key] for h in hists])
+            key: spread([r[key] for r in runs])
             for key, _label, _how in ROWS
-            if all(key in reduce_history(h) for h in hists)
+            if all(key in r for r in runs)
         }
-        for arm, hists in histories.items()
+        for arm, runs in reduced.items()
     }
     title = (
         f"{len(histories[arms[0]])} seeds x {len(histories[arms[0]][0])} steps, overrides: "

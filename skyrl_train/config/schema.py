@@ -180,12 +180,15 @@ class RefConfig:
     ``trainer.algorithm.use_kl_loss`` keeps the reference either way."""
 
 
+DynamicSamplingType = Literal["filter", "replace"]
+
+
 @dataclass(frozen=True)
 class DynamicSamplingConfig:
     """Zero-variance groups (every sample of a prompt scored the same) carry no GRPO
     gradient; these options trade extra generation for fewer of them (DAPO, POLARIS)."""
 
-    type: Literal["filter", "replace"] | None = None
+    type: DynamicSamplingType | None = None
     """None: train on what was sampled. "filter" (DAPO): drop flat groups and sample
     more prompts until ``trainer.train_batch_size`` groups vary, at most
     ``max_sample_batches`` batches a step (short: flat groups fill the rest).

@@ -21,6 +21,7 @@ from skyrl_train.algorithms.advantages import GROUPED_ESTIMATORS
 from skyrl_train.config.model_source import model_architecture
 from skyrl_train.config.schema import (
     AlgorithmConfig,
+    DynamicSamplingType,
     MegatronConfig,
     ModelConfig,
     PPOConfig,
@@ -309,9 +310,10 @@ def _check_trainer(cfg: PPOConfig) -> None:
     _finite(alg.kl_loss_coef, f"{a}.kl_loss_coef", low=0.0)
     _finite(alg.entropy_loss_coef, f"{a}.entropy_loss_coef", low=0.0)
     ds, d = alg.dynamic_sampling, f"{a}.dynamic_sampling"
-    if ds.type not in (None, "filter", "replace"):
+    kinds = typing.get_args(DynamicSamplingType)
+    if ds.type is not None and ds.type not in kinds:
         raise ConfigValidationError(
-            f"{d}.type", f"expected null, 'filter' or 'replace', got {ds.type!r}"
+            f"{d}.type", f"expected null or one of {list(kinds)}, got {ds.type!r}"
         )
     _at_least(ds.max_sample_batches, 1, f"{d}.max_sample_batches")
     if not (math.isfinite(ds.min_replace_ratio) and 0.0 <= ds.min_replace_ratio <= 1.0):

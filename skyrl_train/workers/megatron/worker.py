@@ -308,12 +308,13 @@ class MegatronPolicyWorker:
             # the global replay state after backward, and on any exception.
             with self._replay_or_nothing(layout, do_replay) as handle:
                 logits = self._logits(layout)
+                extra: tuple[torch.Tensor, ...] = ()
                 if entropy:
                     logprobs, ent = response_logprobs_and_entropy(logits, layout, mb.response_mask)
-                    loss = loss_fn(logprobs, batch_to(mb, logprobs.device), ent)  # type: ignore[call-arg]
+                    extra = (ent,)
                 else:
                     logprobs = response_logprobs(logits, layout, mb.response_mask)
-                    loss = loss_fn(logprobs, batch_to(mb, logprobs.device))  # type: ignore[call-arg]
+                loss = loss_fn(logprobs, batch_to(mb, logprobs.device), *extra)  # type: ignore[arg-type]
                 if handle is not None:
                     handle.backward_phase()
                 (loss / len(micro)).backward()
