@@ -147,7 +147,13 @@ class MegatronConfig:
     """None means equal to ``tensor_model_parallel_size`` (Megatron's default)."""
     context_parallel_size: int = 1
     moe_enable_routing_replay: bool = True
-    """R3: replay the rollout's expert selection in the trainer's routers."""
+    """Replay a recorded expert selection in the trainer's routers (see the source)."""
+    routing_replay_source: Literal["rollout", "old_policy"] = "rollout"
+    """Where the replayed routes come from. ``rollout`` (R3): the inference engine's,
+    returned with each reply, so training routes every token as generation did.
+    ``old_policy`` (R2): the trainer's own, recorded in the step's old-logprob forward
+    and replayed in every mini-batch and epoch update, so the PPO ratio compares
+    policies under one routing; it needs no routes from the engine."""
     transformer_config_kwargs: dict[str, Any] = field(default_factory=dict)
     """Passed through to megatron-core's ``TransformerConfig``; keys must be its fields."""
 

@@ -115,11 +115,13 @@ def _check_routing_replay(cfg: PPOConfig) -> None:
     prefix, mc = "trainer.policy.megatron_config", cfg.trainer.policy.megatron_config
     if not mc.moe_enable_routing_replay:
         return
-    if not cfg.generator.inference_engine.enable_return_routed_experts:
+    rollout = mc.routing_replay_source == "rollout"
+    if rollout and not cfg.generator.inference_engine.enable_return_routed_experts:
         raise ConfigValidationError(
             f"{prefix}.moe_enable_routing_replay",
-            "routing replay needs the rollout's routes, but "
-            "generator.inference_engine.enable_return_routed_experts is false",
+            "replay from the rollout needs the rollout's routes, but "
+            "generator.inference_engine.enable_return_routed_experts is false "
+            f"({prefix}.routing_replay_source=old_policy replays the trainer's own)",
         )
     refuse_replay_incompatible(
         {"virtual_pipeline_model_parallel_size": mc.virtual_pipeline_model_parallel_size},

@@ -67,6 +67,7 @@ LINE_KEYS = (
     ("generate/mean_turns", "turns"),
     ("r3/router_agreement_native", "agree_native"),
     ("r3/router_agreement_trained", "agree_trained"),
+    ("r2/router_agreement_update", "agree_r2"),
     ("mismatch_trained/mean_abs_logp_diff", "dlogp_mean"),
     ("mismatch_trained/max_abs_logp_diff", "dlogp_max"),
     ("mismatch_trained/k3_kl", "k3"),

@@ -178,16 +178,19 @@ class PolicyTrainer:
         Raises ``NonFiniteError`` on a NaN/inf loss, grad norm or parameter, so the
         driver never pushes such weights (``finite.py``).
         """
-        t = self.cfg.trainer
+        t, mc = self.cfg.trainer, self.cfg.trainer.policy.megatron_config
         if batch.advantages is None:
             raise ValueError("advantages: expected [B, R] advantages set on the batch, got None")
         has_routes = batch.routed_experts is not None
-        replay = has_routes and t.policy.megatron_config.moe_enable_routing_replay
+        # R2 records in the old-logprob forward (native routing) what R3 takes from the
+        # rollout; either way the updates below replay one fixed selection.
+        r2 = mc.moe_enable_routing_replay and mc.routing_replay_source == "old_policy"
+        replay = has_routes and mc.moe_enable_routing_replay and not r2
         as_trained = self.worker.forward(
             batch,
             micro_batch_size=t.micro_forward_batch_size_per_gpu,
             replay_routes=replay,
-            capture_routes=has_routes,
+            capture_routes=has_routes or r2,
             entropy=True,
         )
         # num_tokens weighs each rank's policy/* means (entropy, clip fraction) when the
@@ -226,6 +229,12 @@ class PolicyTrainer:
                 ).to_metrics("mismatch_trained")
             )
         batch.old_logprobs = as_trained.logprobs
+        if r2:
+            assert as_trained.routes is not None
+            # The rollout's routes (if any) were only needed for the metrics above.
+            batch.routed_experts = as_trained.routes
+            batch.router_padding_mask = ~batch.attention_mask.bool()
+            replay = True
         if self.reference is not None:
             with self.worker.swapped_weights(self.reference):
                 ref_logprobs = self.worker.forward(
@@ -241,7 +250,9 @@ class PolicyTrainer:
             if t.algorithm.use_kl_loss:
                 batch.ref_logprobs = ref_logprobs
         metrics.update(
-            self._update(batch, replay=replay, mini_batch_tokens=mini_batch_tokens, step=step)
+            self._update(
+                batch, replay=replay, r2=r2, mini_batch_tokens=mini_batch_tokens, step=step
+            )
         )
         # Each rank checks its own parameters: together they cover every expert shard.
         require_finite_weights(
@@ -255,6 +266,7 @@ class PolicyTrainer:
         batch: TrainingBatch,
         *,
         replay: bool,
+        r2: bool,
         mini_batch_tokens: Sequence[float] | None,
         step: int,
     ) -> dict[str, float]:
@@ -268,6 +280,9 @@ class PolicyTrainer:
         # microbatch fractions over-weights short microbatches).
         clip_counts: list[tuple[float, float]] = []
         tis_means: list[float] = []
+        # R2: (agreeing token-layers, token-layers) of every update forward with the
+        # recorded routes, the proof that each mini-batch and epoch replayed them.
+        r2_counts: list[tuple[float, float]] = []
         for _ in range(t.update_epochs_per_batch):
             for k, start in enumerate(range(0, batch.batch_size, mini)):
                 part = slice_batch(batch, start, min(start + mini, batch.batch_size))
@@ -290,7 +305,14 @@ class PolicyTrainer:
                     micro_batch_size=micro,
                     replay_routes=replay,
                     entropy=t.algorithm.use_entropy_loss,
+                    capture_routes=r2,
                 )
+                if r2:
+                    assert result.routes is not None
+                    got = self.worker.rollout_router_agreement(part, result.routes)
+                    r2_counts.append(
+                        (got.agreement * got.num_token_layers, float(got.num_token_layers))
+                    )
                 where = f"rank {self.info.rank}, optimizer step {len(grad_norms) + 1}"
                 require_finite(result.loss, quantity="train/policy_loss", step=step, where=where)
                 require_finite(result.grad_norm, quantity="train/grad_norm", step=step, where=where)
@@ -310,6 +332,10 @@ class PolicyTrainer:
         }
         if tis_means:
             metrics["train/tis_weight_mean"] = float(np.mean(tis_means))
+        if r2_counts:
+            layers = sum(n for _, n in r2_counts)
+            metrics["r2/router_agreement_update"] = sum(a for a, _ in r2_counts) / max(layers, 1.0)
+            metrics["r2/num_token_layers"] = layers
         return metrics
 
     def _loss_fn(
@@ -471,6 +497,7 @@ def megatron_settings_of(node: Any) -> dict[str, Any]:
 
     is_instance = dataclasses.is_dataclass(node) and not isinstance(node, type)
     values = dataclasses.asdict(node) if is_instance else dict(node)
+    values.pop("routing_replay_source", None)  # the trainer's choice, not the model's
     etp = values.pop("expert_tensor_parallel_size", None)
     kwargs = dict(values.get("transformer_config_kwargs") or {})
     if etp is not None:

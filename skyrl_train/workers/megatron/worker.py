@@ -80,6 +80,9 @@ class TrainStepResult:
     """Global gradient norm before clipping."""
     num_microbatches: int
     replayed: bool
+    routes: torch.Tensor | None = None
+    """[B, S, L_local_moe, K] experts each local router dispatched to in the update's
+    forward (as ``ForwardResult.routes``); only when ``capture_routes=True``."""
 
 
 class MegatronPolicyWorker:
@@ -290,24 +293,28 @@ class MegatronPolicyWorker:
         replay_routes: bool | None = None,
         trajectory_ids: Sequence[str] | None = None,
         entropy: bool = False,
+        capture_routes: bool = False,
     ) -> TrainStepResult:
         """One optimizer step over ``batch`` (this rank's shard), accumulating gradients
         over microbatches. ``loss_fn(logprobs [b, R], microbatch) -> scalar``; with
         ``entropy=True`` it also gets the differentiable per-token entropy ``[b, R]``
-        (``EntropyLossFn``), for an entropy bonus."""
+        (``EntropyLossFn``), for an entropy bonus. ``capture_routes``: also return what
+        the routers dispatched in the forwards (not in any backward recompute)."""
         model, optimizer = self._require_model(), self.optimizer
         assert optimizer is not None
         do_replay = self._check_replay(batch, replay_routes, trajectory_ids)
         micro = list(self._microbatches(batch, micro_batch_size))
         model.train()
         optimizer.zero_grad(set_to_none=True)
-        losses = []
+        losses, captured = [], []
         for mb in micro:
             layout = make_contiguous(mb, pad_token_id=self.pad_token_id)
             # One microbatch's routes enter the routers at a time; the context clears
             # the global replay state after backward, and on any exception.
             with self._replay_or_nothing(layout, do_replay) as handle:
-                logits = self._logits(layout)
+                logits, routes = self._logits_and_routes(layout, capture_routes)
+                if routes is not None:
+                    captured.append(routes)
                 extra: tuple[torch.Tensor, ...] = ()
                 if entropy:
                     logprobs, ent = response_logprobs_and_entropy(logits, layout, mb.response_mask)
@@ -331,6 +338,7 @@ class MegatronPolicyWorker:
             grad_norm=grad_norm,
             num_microbatches=len(micro),
             replayed=do_replay,
+            routes=torch.cat(captured) if capture_routes else None,
         )
 
     # ---- internals ------------------------------------------------------------------
@@ -407,6 +415,18 @@ class MegatronPolicyWorker:
             padding_mask=layout.padding_mask.to(device),
         )
 
+    def _logits_and_routes(
+        self, layout: ContiguousBatch, capture: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The forward's logits and, with ``capture``, what each router dispatched
+        (batch layout); the hooks are gone before any backward recompute."""
+        if not capture:
+            return self._logits(layout), None
+        rows, seq = layout.tokens.shape
+        with replay.capture_dispatch(self._require_routers(), batch=rows, seq=seq) as got:
+            logits = self._logits(layout)
+        return logits, self._to_batch_layout(torch.stack(got, dim=2), layout)
+
     def _forward_micro(
         self,
         mb: TrainingBatch,
@@ -415,14 +435,8 @@ class MegatronPolicyWorker:
         capture: bool,
         entropy: bool,
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        rows, seq = layout.tokens.shape
         with self._replay_or_nothing(layout, do_replay):
-            if capture:
-                with replay.capture_dispatch(self._require_routers(), batch=rows, seq=seq) as got:
-                    logits = self._logits(layout)
-                routes = self._to_batch_layout(torch.stack(got, dim=2), layout)
-            else:
-                logits, routes = self._logits(layout), None
+            logits, routes = self._logits_and_routes(layout, capture)
         if not entropy:
             return response_logprobs(logits, layout, mb.response_mask).cpu(), None, routes
         logprobs, ent = response_logprobs_and_entropy(logits, layout, mb.response_mask)

@@ -102,6 +102,7 @@ def test_overrides_reach_nested_keys_with_types() -> None:
         ("generator.inference_engine.enable_return_routed_experts=1", "generator.inference_engine.enable_return_routed_experts", "true or false"),
         ("generator.inference_engine.dtype=fp8", "generator.inference_engine.dtype", "expected one of"),
         ("trainer.algorithm.advantage_estimator=gae", "trainer.algorithm.advantage_estimator", "expected one of"),
+        ("trainer.policy.megatron_config.routing_replay_source=engine", "trainer.policy.megatron_config.routing_replay_source", "expected one of"),
         ("trainer.policy.optimizer_config.adam_betas=[0.9]", "trainer.policy.optimizer_config.adam_betas", "list of 2"),
         ("trainer.policy.optimizer_config.adam_betas=[0.9,x]", "trainer.policy.optimizer_config.adam_betas[1]", "expected a number"),
         ("trainer.policy.megatron_config.transformer_config_kwargs=5", "trainer.policy.megatron_config.transformer_config_kwargs", "mapping"),

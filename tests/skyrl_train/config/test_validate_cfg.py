@@ -91,6 +91,18 @@ def test_replay_refuses_missing_routes() -> None:
     err = _refusal(["generator.inference_engine.enable_return_routed_experts=false"])
     assert err.key == f"{POLICY}.moe_enable_routing_replay"
     assert "generator.inference_engine.enable_return_routed_experts" in err.reason
+    assert "routing_replay_source=old_policy" in err.reason  # names the way out
+
+
+def test_r2_needs_no_routes_from_the_engine() -> None:
+    validate_cfg(
+        load_config(
+            [
+                "generator.inference_engine.enable_return_routed_experts=false",
+                f"{POLICY}.routing_replay_source=old_policy",
+            ]
+        )
+    )
 
 
 def test_the_reference_has_no_megatron_settings_of_its_own() -> None:

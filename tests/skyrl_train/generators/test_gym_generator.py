@@ -277,6 +277,44 @@ def test_a_prompt_that_does_not_extend_the_previous_turn_is_refused(tokenizer):
     run(main())
 
 
+def test_routed_requests_ask_for_the_packed_body_and_parse_it_packed(tokenizer, monkeypatch):
+    """With routes on, every reply's ids and logprobs come as envelopes: one packed
+    splice and one packed-choice decode per request, nothing through per-token JSON."""
+    import inference.client.client as client_module
+
+    counts = {"splice": 0, "decode": 0}
+
+    def counted(name: str, fn: Any) -> Any:
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            counts[name] += 1
+            return fn(*args, **kwargs)
+
+        return wrapped
+
+    monkeypatch.setattr(
+        client_module, "load_packed_body", counted("splice", client_module.load_packed_body)
+    )
+    monkeypatch.setattr(
+        client_module,
+        "decode_packed_choice",
+        counted("decode", client_module.decode_packed_choice),
+    )
+
+    async def main() -> GeneratorOutput:
+        async with serving() as client:
+            wrapper = Wrapper(client)
+            out = await GymGenerator(wrapper, tokenizer, config()).generate(
+                batch("guess_number", 3)
+            )
+        assert wrapper.calls and all(c["return_packed_body"] is True for c in wrapper.calls)
+        assert counts == {"splice": len(wrapper.calls), "decode": len(wrapper.calls)}
+        return out
+
+    out = run(main())
+    check_consistent(out, 3)  # logprobs arrive (negative) for every generated token
+    assert out.routed_experts is not None
+
+
 def test_routes_off_requests_and_keeps_nothing_about_routes(tokenizer):
     async def main() -> None:
         async with serving() as client:
@@ -288,7 +326,9 @@ def test_routes_off_requests_and_keeps_nothing_about_routes(tokenizer):
         assert out.routed_experts is None
         assert not any(k.startswith("generate/route") for k in out.rollout_metrics)
         assert wrapper.calls and all(
-            c["return_routed_experts"] is False and c["routed_experts_prompt_start"] is None
+            c["return_routed_experts"] is False
+            and c["routed_experts_prompt_start"] is None
+            and c["return_packed_body"] is False
             for c in wrapper.calls
         )
 
