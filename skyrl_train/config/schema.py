@@ -99,8 +99,6 @@ class InferenceEngineConfig:
     num_engines: int = 1
     enable_return_routed_experts: bool = True
     """R3: the server records and returns every token's top-k experts."""
-    backend: Literal["hf_cpu"] = "hf_cpu"
-    """The engine implementation; vLLM is not installable on CPU machines."""
     dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
     model_name: str = "tiny-moe"
     host: str = "127.0.0.1"
@@ -165,6 +163,8 @@ class OptimizerConfig:
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
     num_warmup_steps: int = 0
+    """Optimizer steps (every mini-batch and epoch is one) over which the learning rate
+    rises linearly to ``lr``; 0 keeps it constant. Resumes with the optimizer state."""
 
 
 @dataclass(frozen=True)
@@ -222,7 +222,6 @@ class AlgorithmConfig:
     clip_ratio_c: float | None = None
     """Dual-clip bound for negative advantages (> 1); None turns dual clip off.
     Regular loss only."""
-    loss_reduction: Literal["token_mean"] = "token_mean"
     use_tis: bool = False
     """Truncated importance sampling against the rollout logprobs."""
     tis_imp_ratio_cap: float = 2.0
@@ -240,8 +239,6 @@ class AlgorithmConfig:
 class PlacementConfig:
     num_trainers: int = 1
     """Policy trainer processes (Megatron world size)."""
-    colocate: bool = False
-    """Share CPUs between trainers and inference engines instead of reserving them."""
     cpus_per_trainer: float = 1.0
 
 

@@ -285,7 +285,7 @@ def _check_trainer(cfg: PPOConfig) -> None:
 
     alg, a = tr.algorithm, "trainer.algorithm"
     # The loader already refuses other values; a config built in Python is checked here.
-    for name in ("advantage_estimator", "policy_loss_type", "loss_reduction"):
+    for name in ("advantage_estimator", "policy_loss_type"):
         allowed = list(typing.get_args(_ALGORITHM_HINTS[name]))
         if getattr(alg, name) not in allowed:
             raise ConfigValidationError(

@@ -140,6 +140,7 @@ class PolicyTrainer:
                 weight_decay=opt.weight_decay,
                 betas=(opt.adam_betas[0], opt.adam_betas[1]),
                 max_grad_norm=opt.max_grad_norm,
+                num_warmup_steps=opt.num_warmup_steps,
             ),
             seed=cfg.trainer.seed,
             pad_token_id=self.pad_token_id,
@@ -283,6 +284,7 @@ class PolicyTrainer:
         # R2: (agreeing token-layers, token-layers) of every update forward with the
         # recorded routes, the proof that each mini-batch and epoch replayed them.
         r2_counts: list[tuple[float, float]] = []
+        lr = t.policy.optimizer_config.lr
         for _ in range(t.update_epochs_per_batch):
             for k, start in enumerate(range(0, batch.batch_size, mini)):
                 part = slice_batch(batch, start, min(start + mini, batch.batch_size))
@@ -322,6 +324,7 @@ class PolicyTrainer:
                 # one rank, and the ranks' row-weighted mean across ranks).
                 losses.append(result.loss)
                 grad_norms.append(result.grad_norm)
+                lr = result.lr
         metrics = {
             "train/policy_loss": float(np.mean(losses)),
             "train/grad_norm": float(np.mean(grad_norms)),
@@ -329,6 +332,7 @@ class PolicyTrainer:
             "policy/clip_fraction": sum(c for c, _ in clip_counts)
             / max(sum(n for _, n in clip_counts), 1.0),
             "train/optimizer_steps": float(len(grad_norms)),
+            "train/lr": lr,
         }
         if tis_means:
             metrics["train/tis_weight_mean"] = float(np.mean(tis_means))

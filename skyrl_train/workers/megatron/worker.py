@@ -58,6 +58,9 @@ class OptimizerSettings:
     eps: float = 1e-8
     max_grad_norm: float = 1.0
     """<= 0 disables clipping."""
+    num_warmup_steps: int = 0
+    """Optimizer steps over which the learning rate rises linearly to ``lr``: step i
+    (from 1) uses ``lr * min(1, i / num_warmup_steps)``; 0 keeps it constant."""
 
 
 @dataclass
@@ -80,6 +83,8 @@ class TrainStepResult:
     """Global gradient norm before clipping."""
     num_microbatches: int
     replayed: bool
+    lr: float
+    """The learning rate this step used (warmup included)."""
     routes: torch.Tensor | None = None
     """[B, S, L_local_moe, K] experts each local router dispatched to in the update's
     forward (as ``ForwardResult.routes``); only when ``capture_routes=True``."""
@@ -331,17 +336,30 @@ class MegatronPolicyWorker:
         # A NaN norm passes the clip (NaN > limit is False) and AdamW would write NaN
         # into every parameter it touches; skipped, the weights stay as they were and
         # the trainer stops the run on the reported norm (trainer/finite.py).
+        lr = self._warmed_up_lr(optimizer)
         if math.isfinite(grad_norm):
+            for group in optimizer.param_groups:
+                group["lr"] = lr
             optimizer.step()
         return TrainStepResult(
             loss=sum(losses) / len(losses),
             grad_norm=grad_norm,
             num_microbatches=len(micro),
             replayed=do_replay,
+            lr=lr,
             routes=torch.cat(captured) if capture_routes else None,
         )
 
     # ---- internals ------------------------------------------------------------------
+
+    def _warmed_up_lr(self, optimizer: torch.optim.Optimizer) -> float:
+        opt = self.optimizer_settings
+        if opt.num_warmup_steps <= 0:
+            return opt.lr
+        # AdamW's own step count: a resumed run loads it with the optimizer state, so
+        # warmup continues where it stopped instead of starting over.
+        done = max((int(s["step"]) for s in optimizer.state.values() if "step" in s), default=0)
+        return opt.lr * min(1.0, (done + 1) / opt.num_warmup_steps)
 
     def _require_model(self) -> Any:
         if self.model is None:

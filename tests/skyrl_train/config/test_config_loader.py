@@ -96,6 +96,10 @@ def test_overrides_reach_nested_keys_with_types() -> None:
         ("+trainer.no_such_key=1", "trainer.no_such_key", "unknown key"),
         ("+trainer.policy.megatron_config.tp=2", "trainer.policy.megatron_config.tp", "unknown key"),
         ("+bogus=1", "bogus", "unknown key"),
+        # Keys that did nothing, removed (issue 14): a config that still sets them fails.
+        ("+trainer.placement.colocate=true", "trainer.placement.colocate", "unknown key"),
+        ("+generator.inference_engine.backend=hf_cpu", "generator.inference_engine.backend", "unknown key"),
+        ("+trainer.algorithm.loss_reduction=token_mean", "trainer.algorithm.loss_reduction", "unknown key"),
         ("trainer.num_steps=abc", "trainer.num_steps", "expected an int"),
         ("trainer.num_steps=1.5", "trainer.num_steps", "expected an int"),
         ("trainer.num_steps=true", "trainer.num_steps", "expected an int"),

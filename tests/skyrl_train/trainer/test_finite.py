@@ -50,6 +50,7 @@ class NaNWorker:
             grad_norm=math.inf if self.poison == "grad_norm" else 0.5,
             num_microbatches=1,
             replayed=False,
+            lr=1e-3,
         )
 
 

@@ -51,7 +51,7 @@ class ConstantWorker:
         extra = [0.5 * batch.response_mask.float()] if options.get("entropy") else []
         loss = loss_fn(logprobs, batch, *extra)
         return TrainStepResult(
-            loss=float(loss.detach()), grad_norm=0.1, num_microbatches=1, replayed=False
+            loss=float(loss.detach()), grad_norm=0.1, num_microbatches=1, replayed=False, lr=1e-3
         )
 
 

@@ -67,6 +67,7 @@ class TableWorker:
             grad_norm=float(self.table.grad.norm()),
             num_microbatches=len(starts),
             replayed=False,
+            lr=1e-3,
         )
 
 
