@@ -1,7 +1,8 @@
 """R3 on vs off (and GSPO without R3) over several seeds: learning and mismatch.
 
     python scripts/compare_r3.py [--seeds 3] [--steps N] [--arms r3,no_r3,gspo]
-                                 [--png compare_r3.png] [--json] [hydra overrides ...]
+                                 [--png compare_r3.png] [--json] [--histories FILE]
+                                 [--resume | --replot] [hydra overrides ...]
 
 Each arm runs the embedded default (plus the overrides) once per seed
 (``trainer.seed`` = 0, 1, ...: prompts and sampling change, the model does not); every
@@ -16,6 +17,8 @@ Printed per arm, mean ± standard deviation over seeds (and the min..max spread)
 final train reward (mean of the last five steps), the final greedy eval reward and
 success rate, and the rollout-vs-trainer mismatch averaged over steps. The PNG plots
 each arm's train reward and eval success per step (mean over seeds, min..max shaded).
+``--histories`` keeps every run's metrics as it finishes; ``--resume`` reruns only
+the runs it lacks (a crash, or code edited under a running comparison, costs one run).
 """
 
 from __future__ import annotations
@@ -130,14 +133,24 @@ def plot(results: dict[str, list[list[dict[str, float]]]], png: Path, title: str
 
 
 def run_arms(
-    arms: list[str], seeds: int, overrides: list[str], out: Path | None
+    arms: list[str],
+    seeds: int,
+    overrides: list[str],
+    out: Path | None,
+    *,
+    done: dict[str, list[list[dict[str, float]]]] | None = None,
 ) -> dict[str, list[list[dict[str, float]]]]:
     """Every arm once per seed, arms alternating within a seed (drift hits all alike);
-    the histories are written to ``out`` after each run, so a crash loses nothing."""
-    histories: dict[str, list[list[dict[str, float]]]] = {arm: [] for arm in arms}
+    the histories are written to ``out`` after each run, so a crash loses nothing, and
+    runs already in ``done`` (seeds 0..n-1 of an arm) are kept, not rerun."""
+    histories: dict[str, list[list[dict[str, float]]]] = {
+        arm: list((done or {}).get(arm, [])) for arm in arms
+    }
     with tempfile.TemporaryDirectory() as tmp:
         for seed in range(seeds):
             for arm in arms:
+                if seed < len(histories[arm]):
+                    continue
                 cfg = load_config(
                     [
                         "logging.progress_bar=false",
@@ -170,6 +183,11 @@ def main() -> None:
         help="write every run's per-step metrics here (JSON); with --replot, read them",
     )
     parser.add_argument("--replot", action="store_true", help="summarise --histories, no runs")
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="keep the runs already in --histories (same overrides) and run the rest",
+    )
     args, overrides = parser.parse_known_args()
     arms = args.arms.split(",")
     unknown = [a for a in arms if a not in ARMS]
@@ -183,7 +201,12 @@ def main() -> None:
         histories = json.loads(args.histories.read_text())
         arms = list(histories)
     else:
-        histories = run_arms(arms, args.seeds, [*steps, *overrides], args.histories)
+        done = None
+        if args.resume:
+            if args.histories is None or not args.histories.is_file():
+                parser.error("--resume: expected an existing --histories FILE")
+            done = json.loads(args.histories.read_text())
+        histories = run_arms(arms, args.seeds, [*steps, *overrides], args.histories, done=done)
     reduced = {arm: [reduce_history(h) for h in hists] for arm, hists in histories.items()}
     summary = {
         arm: {

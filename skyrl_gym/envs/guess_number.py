@@ -6,7 +6,7 @@ Reward (sums to at most 1 per episode):
   so solving on any turn with well-formed replies scores exactly 1.0.
 
 Why this shape: a random byte-level model (264 tokens) starts a reply with a digit
-about 10/264 = 3.8% of the time per turn, so a GRPO group of 8 four-turn episodes
+about 10/264 = 3.8% of the time per turn, so a GRPO group of 8 three-turn episodes
 usually holds a nonzero reward; the format credit is then learnable within a few
 steps, and correctness follows from guessing digits at all (a 1/10 chance per turn).
 """
@@ -26,7 +26,7 @@ NOT_A_DIGIT = "digit?"
 class GuessNumberEnv(Env):
     name = "guess_number"
 
-    def __init__(self, *, target: int, max_turns: int = 4) -> None:
+    def __init__(self, *, target: int, max_turns: int = 3) -> None:
         super().__init__()
         self.target = check_int(self.name, "target", target, low=0, high=9)
         self.max_turns = check_int(self.name, "max_turns", max_turns, low=1, high=64)

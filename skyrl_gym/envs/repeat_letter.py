@@ -1,12 +1,16 @@
 """Multi-turn: the environment shows a letter, the reply should start with it; N turns.
 
-Reward per turn (sums to at most 1 per episode): ``0.5 / N`` when the reply starts with
-a lowercase ASCII letter, another ``0.5 / N`` when that letter is the one shown.
-A random byte-level model starts with a lowercase letter about 26/264 = 10% of the
-time, so the format credit appears in almost every GRPO group from step 0; copying the
-letter just shown is a one-token lookback a tiny attention model can learn.
+Reward: ``1 / N`` for each turn whose reply starts with the letter just shown, so an
+episode that repeats every letter scores exactly 1.0. ``format_credit`` moves that share
+of each turn's reward to replies that start with any lowercase letter (``valid`` in the
+step info). It is 0 by default: at 0.5 (this environment's reward before 2026-12-03)
+GRPO groups were told apart by "a letter" long before "the right letter", and the
+default run never solved an episode in 80 steps. A random byte model hits the right
+letter 1/264 of the time; tests that need groups to vary from the first step of a
+random model set a credit (any letter is 26/264).
 
-Observations: the next letter ("b") after a right reply, "no. b" after a wrong one.
+Observations: the next letter ("b") after a right reply, "no. b" after a wrong one;
+the letter to copy is always the last character before the reply.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import string
 from typing import Any
 
 from skyrl_gym.core import Env, Message, StepOutput, first_char
+from skyrl_gym.envs._checks import check_fraction
 from skyrl_gym.errors import EnvError
 
 ALPHABET = "abcdefgh"
@@ -25,7 +30,7 @@ ALPHABET = "abcdefgh"
 class RepeatLetterEnv(Env):
     name = "repeat_letter"
 
-    def __init__(self, *, letters: str) -> None:
+    def __init__(self, *, letters: str, format_credit: float = 0.0) -> None:
         super().__init__()
         if (
             not isinstance(letters, str)
@@ -36,6 +41,7 @@ class RepeatLetterEnv(Env):
                 f"{self.name}.letters: expected 1-64 lowercase ASCII letters, got {letters!r}"
             )
         self.letters = letters
+        self.format_credit = check_fraction(self.name, "format_credit", format_credit)
         self.max_turns = len(letters)
         self.all_correct = True
 
@@ -44,7 +50,9 @@ class RepeatLetterEnv(Env):
         c = first_char(action)
         valid = len(c) == 1 and c in string.ascii_lowercase
         correct = valid and c == self.letters[turn]
-        reward = (0.5 * share if valid else 0.0) + (0.5 * share if correct else 0.0)
+        reward = share * (
+            (self.format_credit if valid else 0.0) + (1.0 - self.format_credit if correct else 0.0)
+        )
         nxt = self.letters[turn + 1] if turn + 1 < self.max_turns else ""
         message = nxt if correct else f"no. {nxt}"
         self.all_correct = (turn == 0 or self.all_correct) and correct  # a new episode at turn 0

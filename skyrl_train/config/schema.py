@@ -75,11 +75,11 @@ class SamplingParamsConfig:
 
 @dataclass(frozen=True)
 class EnvironmentConfig:
-    env_class: str = "guess_number"
+    env_class: str = "repeat_letter"
     """A name registered in ``skyrl_gym`` (``skyrl_gym.registered()``, entry points of
     the ``skyrl_gym.envs`` group included): the environment of dataset rows that name
     none, and the generated dataset's environment when ``data.train_data`` is empty."""
-    kwargs: dict[str, Any] = field(default_factory=lambda: {"max_turns": 3})
+    kwargs: dict[str, Any] = field(default_factory=dict)
     """Passed to every environment's constructor as keyword arguments."""
 
 
@@ -211,7 +211,7 @@ class AlgorithmConfig:
     advantage_estimator: Literal["grpo", "rloo", "reinforce++"] = "grpo"
     """"grpo": group-normalised; "rloo": leave-one-out group baseline; "reinforce++":
     returns whitened over the batch's tokens (``algorithms.advantages``)."""
-    norm_adv_by_std_in_grpo: bool = False
+    norm_adv_by_std_in_grpo: bool = True
     """Divide GRPO's centred rewards by the group std (grpo only)."""
     advantage_eps: float = 1e-6
     policy_loss_type: Literal["regular", "gspo"] = "regular"
@@ -231,7 +231,7 @@ class AlgorithmConfig:
     use_entropy_loss: bool = True
     """Subtracts ``entropy_loss_coef`` x the token-mean entropy of the policy from the
     loss: a bonus that slows the collapse onto one answer."""
-    entropy_loss_coef: float = 0.01
+    entropy_loss_coef: float = 0.05
     dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
 
 
@@ -253,17 +253,17 @@ class WeightSyncConfig:
 @dataclass(frozen=True)
 class TrainerConfig:
     seed: int = 0
-    num_steps: int = 60
+    num_steps: int = 150
     train_batch_size: int = 8
     """Prompts per training step (trajectories = this x n_samples_per_prompt)."""
-    policy_mini_batch_size: int = 8
+    policy_mini_batch_size: int = 4
     """Prompts per optimizer step."""
-    micro_train_batch_size_per_gpu: int = 64
+    micro_train_batch_size_per_gpu: int = 32
     """Trajectories per forward/backward on one trainer rank."""
     micro_forward_batch_size_per_gpu: int = 64
     """Trajectories per logprob-only forward on one trainer rank."""
     update_epochs_per_batch: int = 1
-    eval_interval: int = 5
+    eval_interval: int = 10
     """Steps between evaluations; 0 turns evaluation off."""
     eval_batch_size: int = 30
     """Prompts per evaluation (one greedy sample each)."""

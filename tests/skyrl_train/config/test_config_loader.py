@@ -86,7 +86,7 @@ def test_overrides_reach_nested_keys_with_types() -> None:
     mc = cfg.trainer.policy.megatron_config
     assert mc.virtual_pipeline_model_parallel_size == 2
     assert mc.transformer_config_kwargs == {"moe_router_fusion": True}
-    assert cfg.environment.kwargs == {"max_turns": 3, "digits": 2}
+    assert cfg.environment.kwargs == {"digits": 2}
 
 
 @pytest.mark.parametrize(

@@ -155,8 +155,8 @@ def test_transformer_kwargs_cannot_override_owned_keys(name: str, where: str) ->
     ("overrides", "key", "fragment"),
     [
         (["trainer.policy_mini_batch_size=3"], "trainer.policy_mini_batch_size", "divisor of trainer.train_batch_size"),
-        (["trainer.micro_train_batch_size_per_gpu=5"], "trainer.micro_train_batch_size_per_gpu", "per-rank mini-batch (64"),
-        (["trainer.placement.num_trainers=2", "trainer.micro_train_batch_size_per_gpu=64"], "trainer.micro_train_batch_size_per_gpu", "(32 trajectories)"),
+        (["trainer.micro_train_batch_size_per_gpu=5"], "trainer.micro_train_batch_size_per_gpu", "per-rank mini-batch (32"),
+        (["trainer.placement.num_trainers=2", "trainer.micro_train_batch_size_per_gpu=32"], "trainer.micro_train_batch_size_per_gpu", "(16 trajectories)"),
         (["trainer.placement.num_trainers=3", "trainer.policy_mini_batch_size=2", "trainer.train_batch_size=2"], "trainer.policy_mini_batch_size", "data-parallel size (3)"),
         ([f"{POLICY}.tensor_model_parallel_size=2"], "trainer.placement.num_trainers", "= 2), got 1"),
         ([f"{POLICY}.expert_model_parallel_size=2"], f"{POLICY}.expert_model_parallel_size", "divide trainer.placement.num_trainers"),
@@ -236,11 +236,30 @@ def test_data_parallel_split_counts_trajectories_not_prompts() -> None:
 
 
 def test_env_kwargs_the_environment_does_not_take_are_refused_before_launch() -> None:
-    err = _refusal(["environment.env_class=repeat_letter"])  # the default kwargs set max_turns
+    # repeat_letter's turns are its letters; it takes no max_turns.
+    err = _refusal(["environment.env_class=repeat_letter", "+environment.kwargs.max_turns=3"])
     assert err.key == "environment.kwargs"
     assert "max_turns" in err.reason
-    ok = load_config(["environment.env_class=repeat_letter", "~environment.kwargs.max_turns"])
+    ok = load_config(
+        ["environment.env_class=repeat_letter", "+environment.kwargs.format_credit=0.5"]
+    )
     validate_cfg(ok)
+    validate_cfg(
+        load_config(["environment.env_class=guess_number", "+environment.kwargs.max_turns=3"])
+    )
+    # The README's guess_number command (the settings that took it furthest).
+    validate_cfg(
+        load_config(
+            [
+                "environment.env_class=guess_number",
+                "trainer.num_steps=60",
+                "trainer.algorithm.norm_adv_by_std_in_grpo=false",
+                "trainer.algorithm.entropy_loss_coef=0.01",
+                "trainer.policy_mini_batch_size=8",
+                "trainer.micro_train_batch_size_per_gpu=64",
+            ]
+        )
+    )
 
 
 def test_algorithm_choices() -> None:
@@ -250,7 +269,7 @@ def test_algorithm_choices() -> None:
             [
                 "trainer.algorithm.advantage_estimator=reinforce++",
                 "generator.n_samples_per_prompt=1",
-                "trainer.micro_train_batch_size_per_gpu=8",
+                "trainer.micro_train_batch_size_per_gpu=4",
             ]
         )
     )

@@ -169,16 +169,14 @@ def test_without_files_the_generated_datasets_are_used() -> None:
     cfg = load_config(["trainer.eval_batch_size=5"])
     datasets = load_datasets(cfg)
     assert len(datasets.train) == 4096 and len(datasets.eval) == 5
-    assert {t.env_name for t in datasets.train} == {"guess_number"}
-    assert {t.data_source for t in datasets.eval} == {"guess_number"}
+    assert {t.env_name for t in datasets.train} == {"repeat_letter"}
+    assert {t.data_source for t in datasets.eval} == {"repeat_letter"}
 
 
 def test_validation_files_drive_evaluation(tmp_path: Path) -> None:
     train = _jsonl(tmp_path / "train.jsonl", [_row(i) for i in range(4)])
     val = _jsonl(tmp_path / "val.jsonl", [_row(i) for i in range(10, 13)])
-    cfg = load_config(
-        [f"data.train_data=[{train}]", f"data.val_data=[{val}]", "~environment.kwargs.max_turns"]
-    )
+    cfg = load_config([f"data.train_data=[{train}]", f"data.val_data=[{val}]"])
     datasets = load_datasets(cfg)
     assert len(datasets.train) == 4
     assert [t.prompt[0]["content"] for t in datasets.eval] == [
@@ -194,7 +192,6 @@ def test_a_bad_row_stops_the_launch_before_ray(tmp_path: Path) -> None:
     cfg = load_config(
         [
             f"data.train_data=[{train}]",
-            "~environment.kwargs.max_turns",
             f"trainer.run_dir={run_dir}",
         ]
     )

@@ -39,12 +39,11 @@ def test_two_steps_on_the_generated_dataset_with_validation_rows(tmp_path: Path)
     run_dir = tmp_path / "run"
     cfg = load_config(
         [
-            *[o for o in SMALL if not o.startswith(("environment.", "~environment."))],
+            *[o for o in SMALL if not o.startswith(("environment.", "+environment."))],
             f"model.path={checkpoint}",
             f"data.train_data=[{tmp_path / 'data' / 'train.parquet'}]",
             f"data.val_data=[{tmp_path / 'data' / 'validation.parquet'}]",
             "environment.env_class=gsm8k",
-            "~environment.kwargs.max_turns",
             "generator.max_turns=1",
             "generator.max_tokens_per_turn=16",
             f"trainer.run_dir={run_dir}",
