@@ -51,7 +51,7 @@ def test_ctrl_c_mid_run_stops_every_actor_and_ray(tmp_path: Path) -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    assert proc.returncode != 0
+    assert proc.returncode != 0, stderr[-4000:]
     assert "KeyboardInterrupt" in stderr
     assert new_pids(_ours, before) == set()
     steps = len(metrics.read_text().splitlines())
