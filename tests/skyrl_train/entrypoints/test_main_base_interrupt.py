@@ -29,14 +29,22 @@ def test_ctrl_c_mid_run_stops_every_actor_and_ray(tmp_path: Path) -> None:
         SMALL, "trainer.num_steps=200", "trainer.ckpt_interval=0", f"trainer.run_dir={run_dir}"
     )
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "skyrl_train.entrypoints.main_base", *args],
-        cwd=REPO,
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    # A suite started in the background by a non-interactive shell (`cmd &`) runs with
+    # SIGINT ignored, and exec keeps an ignored signal: the launch would then train all
+    # 200 steps and exit 0. A handled SIGINT reaches the child as the default, which is
+    # what a terminal's Ctrl-C meets.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "skyrl_train.entrypoints.main_base", *args],
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+    finally:
+        signal.signal(signal.SIGINT, previous)
     try:
         metrics = run_dir / "metrics.jsonl"
         deadline = time.monotonic() + 300
