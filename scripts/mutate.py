@@ -221,7 +221,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "traces-padding-zeros",
         TRACES,
-        "routes[rows:] = np.arange(topk, dtype=captured.dtype)",
+        "routes[rows:] = route_filler(topk, captured.dtype)",
         "routes[rows:] = 0",
         (T_TRACES,),
         "uncaptured rows hold K zeros, not K distinct experts",
@@ -238,8 +238,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "collate-response-mask",
         ROUTES,
-        "        mask[mid : mid + in_response] = False\n",
-        "        mask[mid : mid + in_response - 1] = False\n",
+        "            mask[first:end] = piece is None\n",
+        "            mask[first : max(first, end - 1)] = piece is None\n",
         (T_COLLATE,),
         "the last captured response row is marked as padding",
     ),
@@ -317,12 +317,12 @@ MUTANTS: tuple[Mutant, ...] = (
         "sinkhorn inside a list of balancing types passes with replay",
     ),
     Mutant(
-        "validate-ref-routes",
+        "validate-r2-demands-routes",
         VALIDATE,
-        "if built and not returns_routes:",
-        "if not returns_routes:",
+        "if rollout and not cfg.generator.inference_engine.enable_return_routed_experts:",
+        "if not cfg.generator.inference_engine.enable_return_routed_experts:",
         (T_VALIDATE,),
-        "replay on a ref model that is never built still demands routes",
+        "R2 (old_policy) still demands routes from the engine",
     ),
     Mutant(
         "validate-mini-batch-samples",

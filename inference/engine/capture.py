@@ -19,8 +19,6 @@ from inference.wire import route_dtype_for
 
 __all__ = ["RouteCapture"]
 
-_TORCH_ROUTE_DTYPES = {"uint8": torch.uint8, "int16": torch.int16, "int32": torch.int32}
-
 
 class RouteCapture:
     """Records top-k expert ids of every MoE layer for each forward while ``active``.
@@ -44,8 +42,9 @@ class RouteCapture:
         self.moe_layers = tuple(moe_layers)
         self.gates = _find_gates(model, self.moe_layers, capture_point)
         self.active = False
-        # The wire's canonical dtype for the largest id, so routes leave without a cast.
-        self._dtype = _TORCH_ROUTE_DTYPES[route_dtype_for(num_experts - 1).name]
+        # The wire's canonical dtype for the largest id, so routes leave without a cast
+        # (torch names uint8/int16/int32 as numpy does).
+        self._dtype: torch.dtype = getattr(torch, route_dtype_for(num_experts - 1).name)
         self._shape: tuple[int, int] | None = None
         self._layers: list[torch.Tensor | None] = [None] * len(self.gates)
         self._handles = [

@@ -13,6 +13,7 @@ non-mapping argument is a ``TypeError``.
 from inference.errors import WireError
 from inference.wire.body import DEFAULT_FIELDS, load_packed_body
 from inference.wire.fields import (
+    ROUTE_DTYPES,
     FieldSpec,
     PackedField,
     decode_packed_field,
@@ -35,6 +36,7 @@ from inference.wire.response import (
 __all__ = [
     "DEFAULT_FIELDS",
     "LOGPROB_FLOOR",
+    "ROUTE_DTYPES",
     "ClampedLogprobs",
     "FieldSpec",
     "PackedArrayKey",

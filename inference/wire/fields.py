@@ -21,7 +21,8 @@ from inference.wire.ndarray import pack_ndarray, unpack_ndarray
 
 INT32_MAX = 2**31 - 1
 # Smallest first: routes are sent in the narrowest dtype that holds the largest
-# expert id (uint8 for <=256 experts quarters the bytes of int32).
+# expert id (uint8 for <=256 experts quarters the bytes of int32). The engine's capture
+# and the trainer's collation import this ladder rather than restate it.
 ROUTE_DTYPES: tuple[str, ...] = ("uint8", "int16", "int32")
 
 Validator = Callable[[np.ndarray, str], None]

@@ -33,7 +33,8 @@ class TrainingBatch:
     """[B, R] float32 sampled-token logprobs from the engine; None if not returned."""
     routed_experts: torch.Tensor | None = None
     """[B, S, L, K] in the widest sample dtype, aligned with ``sequences``; padding
-    and uncaptured rows hold ``arange(K)``. None when R3 is off."""
+    and uncaptured rows hold ``dataset.routes.route_filler`` (``arange(K)``). None when
+    R3 is off."""
     router_padding_mask: torch.Tensor | None = None
     """[B, S] bool, True on padding and uncaptured rows (not the loss mask: prompt and
     observation tokens still replay). None when R3 is off."""

@@ -24,6 +24,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from skyrl_train.dataset.routes import route_filler
 from skyrl_train.errors import RouteTraceError
 
 _EMPTY_ROUTES_SHAPE = (0, 0, 0)
@@ -135,8 +136,8 @@ class RouteTraceResult(NamedTuple):
 
     routed_experts: np.ndarray
     """[token_count, layers, topk]: row t is the routing of token t where ``captured[t]``;
-    rows never captured (the last token, say) hold ``arange(topk)``, the padding the
-    collation uses too (K distinct experts, as Megatron's dropless dispatcher needs)."""
+    rows never captured (the last token, say) hold the collation's padding row,
+    ``route_filler`` (``arange(topk)``)."""
     captured: np.ndarray
     """[token_count] bool: True where token t has a route row (exactly t < rows)."""
 
@@ -276,5 +277,5 @@ class RoutedExpertTrace:
         _, layers, topk = captured.shape
         routes = np.empty((n, layers, topk), dtype=captured.dtype)
         routes[:rows] = captured
-        routes[rows:] = np.arange(topk, dtype=captured.dtype)
+        routes[rows:] = route_filler(topk, captured.dtype)
         return RouteTraceResult(routed_experts=routes, captured=np.arange(n) < rows)

@@ -13,10 +13,12 @@ import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from skyrl_train.algorithms.signals import token_entropy
 from skyrl_train.dataset.batch import TrainingBatch
+from skyrl_train.dataset.routes import route_filler
 
 
 @dataclass(frozen=True)
@@ -31,7 +33,8 @@ class ContiguousBatch:
     """[B, S] bool, True on rows the routers treat as padding (Megatron's convention:
     True = padding), i.e. the moved ``router_padding_mask`` plus the right-hand filler."""
     routes: torch.Tensor | None
-    """[B, S, L, K] moved with the tokens; filler rows hold arange(K). None without routes."""
+    """[B, S, L, K] moved with the tokens; filler rows hold ``route_filler``. None without
+    routes."""
 
 
 def shift_rows(
@@ -50,6 +53,11 @@ def shift_rows(
     fill_t = torch.as_tensor(fill, dtype=x.dtype).expand_as(moved)
     keep = inside.reshape(batch, seq, *([1] * (x.dim() - 2))).expand_as(x)
     return torch.where(keep, moved, fill_t)
+
+
+def route_filler_tensor(routes: torch.Tensor) -> torch.Tensor:
+    """``route_filler`` for ``[..., K]`` routes, in their dtype: the fill of their padding rows."""
+    return torch.from_numpy(route_filler(routes.shape[-1], np.int64)).to(routes.dtype)
 
 
 def make_contiguous(batch: TrainingBatch, *, pad_token_id: int = 0) -> ContiguousBatch:
@@ -75,8 +83,7 @@ def make_contiguous(batch: TrainingBatch, *, pad_token_id: int = 0) -> Contiguou
     padding = ~real
     routes = None
     if batch.routed_experts is not None:
-        top_k = batch.routed_experts.shape[-1]
-        filler = torch.arange(top_k, dtype=batch.routed_experts.dtype)
+        filler = route_filler_tensor(batch.routed_experts)
         routes = shift_rows(batch.routed_experts, shifts, filler)
         if batch.router_padding_mask is not None:
             padding = padding | shift_rows(batch.router_padding_mask.to(torch.bool), shifts, True)
