@@ -1,18 +1,27 @@
 """The inference side's exception tree; callers decide "retry or not" from the class.
 
-    ValueError
-      WireError                 a packed envelope or body breaks the wire contract
+    InferenceError              root: ``except InferenceError`` catches all of the below
+      WireError (ValueError)    a packed envelope or body breaks the wire contract
         GenerateProtocolError   a valid JSON reply whose packed contract is malformed
-      RequestValidationError    a generate request field is wrong (the server's 4xx)
-      CheckpointFormatError     a model folder cannot be served or trained (names the file
-                                and the field)
-    GenerateError               anything the client could not turn into a result
-      GenerateHTTPError         the server answered with an error status (not retried)
-      GenerateTransportError    connection refused/reset, timeout, gateway garbage (retried)
-        DeadlineExceeded        the overall deadline ran out while retrying
+          ReplyTooLarge         a reply over the request's byte cap (client/limits.py)
+      RequestValidationError (ValueError)
+                                a generate request field is wrong (the server's 4xx)
+      CheckpointFormatError (ValueError)
+                                a model folder cannot be served or trained
+      GenerateError             anything the client could not turn into a result
+        GenerateHTTPError       the server answered with an error status (not retried)
+        GenerateTransportError  connection refused/reset, timeout, gateway garbage (retried)
+          DeadlineExceeded      the overall deadline ran out while retrying
+        RetryLater              one attempt got 429/503 (client/retry.py; retried)
+      Overloaded                the server's own "too many in flight" (server/app.py; a 503)
 
 Protocol and validation errors are deterministic: retrying sends the same bytes and
 gets the same failure, so they are ``ValueError`` subclasses and are never retried.
+
+The three ``ValueError`` families share one shape: ``.path`` says where (a JSON path
+such as ``$.choices[3].routed_experts.shape``, or a checkpoint file and key such as
+``config.json:architectures``), ``.expected`` and ``.got`` say what, and the message
+reads ``path: expected X, got Y``.
 """
 
 from __future__ import annotations
@@ -25,49 +34,53 @@ def _describe(got: Any) -> str:
     return text if len(text) <= 120 else text[:117] + "..."
 
 
-class WireError(ValueError):
-    """A packed array, envelope or body violates the wire contract.
+class InferenceError(Exception):
+    """Root of every exception the ``inference`` package defines."""
 
-    ``field`` is a JSON path such as ``$.choices[3].routed_experts.shape``.
-    """
 
-    def __init__(self, field: str, expected: str, got: Any) -> None:
-        self.field = field
+class _PathError(InferenceError, ValueError):
+    """``path: expected X, got Y``; ``got`` is kept as is and shown as a short repr."""
+
+    def __init__(self, path: str, expected: str, got: Any) -> None:
+        self.path = path
         self.expected = expected
         self.got = got
-        super().__init__(f"{field}: expected {expected}, got {_describe(got)}")
+        super().__init__(f"{path}: expected {expected}, got {_describe(got)}")
+
+
+class WireError(_PathError):
+    """A packed array, envelope or body violates the wire contract.
+
+    ``path`` is a JSON path such as ``$.choices[3].routed_experts.shape``.
+    """
 
 
 class GenerateProtocolError(WireError):
     """The server's JSON reply was valid but its packed side channel was not."""
 
 
-class RequestValidationError(ValueError):
-    """A generate request field is invalid; the server answers it with a 4xx."""
+class RequestValidationError(_PathError):
+    """A generate request field is invalid; the server answers it with a 4xx.
 
-    def __init__(self, field: str, expected: str, got: Any, *, status: int = 400) -> None:
-        self.field = field
-        self.expected = expected
-        self.got = got
+    ``path`` is the request field (``$.sampling_params.temperature``); ``status`` the
+    HTTP status the server answers with.
+    """
+
+    def __init__(self, path: str, expected: str, got: Any, *, status: int = 400) -> None:
         self.status = status
-        super().__init__(f"{field}: expected {expected}, got {_describe(got)}")
+        super().__init__(path, expected, got)
 
 
-class CheckpointFormatError(ValueError):
+class CheckpointFormatError(_PathError):
     """A checkpoint folder is unusable: a file is missing, or config.json or the
     tokenizer asks for something no family here supports.
 
-    ``field`` names the file and key (``config.json:architectures``).
+    ``path`` is where in the folder: a file, or a file and key
+    (``config.json:architectures``).
     """
 
-    def __init__(self, field: str, expected: str, got: Any) -> None:
-        self.field = field
-        self.expected = expected
-        self.got = got
-        super().__init__(f"{field}: expected {expected}, got {_describe(got)}")
 
-
-class GenerateError(Exception):
+class GenerateError(InferenceError):
     """Base for failures the client reports after its retry policy ran."""
 
 

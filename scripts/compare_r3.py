@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import platform
 import sys
@@ -35,7 +36,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from skyrl_train.config.loader import load_config  # noqa: E402
+from skyrl_train.config.compose import load_config  # noqa: E402
 from skyrl_train.entrypoints.main_base import run  # noqa: E402
 from skyrl_train.utils.cpu_topology import cpu_model  # noqa: E402
 
@@ -194,6 +195,8 @@ def main() -> None:
     if unknown or args.seeds < 1:
         parser.error(f"--arms: expected names from {list(ARMS)}, got {unknown}; --seeds >= 1")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    # The launch logs each step through ``logging`` (the CLI sets up its console itself).
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
     steps = [f"trainer.num_steps={args.steps}"] if args.steps else []
     if args.replot:
         if args.histories is None:

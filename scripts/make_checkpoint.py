@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
         f"of {arch.head_dim}, q/k norm {arch.qk_norm}"
     )
     print(
-        f"experts       {arch.num_experts} x {arch.moe_ffn_hidden_size} wide, top-{arch.top_k}, "
+        f"experts       {arch.num_experts} x {arch.moe_ffn_hidden_size} wide, top-{arch.num_experts_per_tok}, "
         f"renormalised {arch.norm_topk_prob}, shared expert {shared or 'none'}"
     )
     tokenizer = info.tokenizer

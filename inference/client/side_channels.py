@@ -22,10 +22,10 @@ _CHOICE = "$.choices[0]"
 
 
 def as_protocol_error(exc: WireError) -> GenerateProtocolError:
-    """The wire's error re-classed as a reply protocol error, field/expected/got kept."""
+    """The wire's error re-classed as a reply protocol error, path/expected/got kept."""
     if isinstance(exc, GenerateProtocolError):
         return exc
-    return GenerateProtocolError(exc.field, exc.expected, exc.got)
+    return GenerateProtocolError(exc.path, exc.expected, exc.got)
 
 
 def _envelope(choice: dict[str, Any], field: PackedField) -> Any:

@@ -44,6 +44,29 @@ def check_temperature(value: object, *, field: str) -> float:
     raise RequestValidationError(field, TEMPERATURE_RULE, value)
 
 
+TOP_P_RULE = "a number in (0, 1]"
+TOP_K_RULE = "-1 (no cut) or an int >= 1"
+
+
+def check_top_p(value: object, *, field: str) -> float:
+    """``value`` as a float in (0, 1], or ``RequestValidationError(field, TOP_P_RULE, value)``;
+    the one check for the HTTP request, the engine and the trainer's config."""
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+        top_p = float(value)
+        if 0 < top_p <= 1:
+            return top_p
+    raise RequestValidationError(field, TOP_P_RULE, value)
+
+
+def check_top_k(value: object, *, field: str, vocab_size: int | None = None) -> int:
+    """``value`` as -1 or an int in [1, vocab_size], or ``RequestValidationError``."""
+    if type(value) is int and (value == -1 or value >= 1):
+        if vocab_size is None or value <= vocab_size:
+            return value
+        raise RequestValidationError(field, f"{TOP_K_RULE} and <= {vocab_size}", value)
+    raise RequestValidationError(field, TOP_K_RULE, value)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 64

@@ -17,7 +17,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from inference.engine.base import EngineOutput, EngineRequest, SamplingParams, check_temperature
+from inference.engine.base import (
+    EngineOutput,
+    EngineRequest,
+    SamplingParams,
+    check_temperature,
+    check_top_k,
+    check_top_p,
+)
 from inference.engine.capture import RouteCapture
 from inference.engine.prefill import left_pad, packed_prefill
 from inference.engine.sampling import BatchSampler
@@ -72,12 +79,8 @@ def _validate_sampling(params: SamplingParams, *, field: str, vocab_size: int) -
         raise RequestValidationError(f"{field}.max_tokens", "an int >= 1", params.max_tokens)
     # The server's validation calls the same check, so HTTP and engine say the same.
     check_temperature(params.temperature, field=f"{field}.temperature")
-    if not (isinstance(params.top_p, (int, float)) and 0 < params.top_p <= 1):
-        raise RequestValidationError(f"{field}.top_p", "a float in (0, 1]", params.top_p)
-    if isinstance(params.top_k, bool) or not isinstance(params.top_k, int):
-        raise RequestValidationError(f"{field}.top_k", "-1 or an int >= 1", params.top_k)
-    if params.top_k == 0 or params.top_k < -1:
-        raise RequestValidationError(f"{field}.top_k", "-1 or an int >= 1", params.top_k)
+    check_top_p(params.top_p, field=f"{field}.top_p")
+    check_top_k(params.top_k, field=f"{field}.top_k")
     if params.seed is not None and (
         isinstance(params.seed, bool) or not isinstance(params.seed, int) or params.seed < 0
     ):

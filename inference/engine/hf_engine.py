@@ -2,7 +2,7 @@
 
 Serves any family of ``inference.models.families`` (Qwen3-MoE, Qwen2-MoE, OLMoE,
 Mixtral) from a checkpoint folder. ``generate`` is a batching front: requests from
-concurrent callers that arrive within ``batch_window_s`` (up to ``max_batch_size``)
+concurrent callers that arrive within ``batch_window_ms`` (up to ``max_batch_size``)
 share one batched run in a single worker thread, so the asyncio loop stays responsive
 and throughput grows with load (a forward at batch 64 costs ~3x one at batch 1 on the
 built-in model).
@@ -70,14 +70,14 @@ class HFMoEEngine:
         eos_token_ids: Sequence[int] = (EOS_TOKEN_ID,),
         pad_token_id: int = EOS_TOKEN_ID,
         max_batch_size: int = 64,
-        batch_window_s: float = 0.005,
+        batch_window_ms: float = 5.0,
         num_threads: int | None = 1,
         batch_invariant: bool = True,
     ) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size: expected an int >= 1, got {max_batch_size!r}")
-        if batch_window_s < 0:
-            raise ValueError(f"batch_window_s: expected a float >= 0, got {batch_window_s!r}")
+        if not batch_window_ms >= 0:
+            raise ValueError(f"batch_window_ms: expected a number >= 0, got {batch_window_ms!r}")
         vocab = model.config.vocab_size
         if isinstance(eos_token_ids, int) or not all(
             isinstance(i, int) and 0 <= i < vocab for i in eos_token_ids
@@ -103,7 +103,7 @@ class HFMoEEngine:
             # The route tensor's layer axis (and /health's): MoE layers only.
             num_layers=architecture.num_moe_layers,
             num_experts=architecture.num_experts,
-            top_k=architecture.top_k,
+            top_k=architecture.num_experts_per_tok,
             vocab_size=vocab,
             dtype=str(self.dtype).removeprefix("torch."),
             batch_invariant=batch_invariant,
@@ -111,7 +111,7 @@ class HFMoEEngine:
         self.eos_token_ids = tuple(eos_token_ids)
         self.pad_token_id = pad_token_id
         self.max_batch_size = max_batch_size
-        self.batch_window_s = batch_window_s
+        self.batch_window_ms = batch_window_ms
         self.capture = RouteCapture(
             model,
             num_experts=architecture.num_experts,
@@ -292,8 +292,8 @@ class HFMoEEngine:
         while True:
             await self._wake.wait()
             self._wake.clear()
-            if 0 < len(self._pending) < self.max_batch_size and self.batch_window_s > 0:
-                await asyncio.sleep(self.batch_window_s)  # let concurrent callers join
+            if 0 < len(self._pending) < self.max_batch_size and self.batch_window_ms > 0:
+                await asyncio.sleep(self.batch_window_ms / 1000)  # let concurrent callers join
             while self._pending:
                 # Requests that arrive while a batch runs queue up and form the next.
                 batch = self._pending[: self.max_batch_size]

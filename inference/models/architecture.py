@@ -32,7 +32,8 @@ class MoEArchitecture:
     num_kv_heads: int
     head_dim: int
     num_experts: int
-    top_k: int
+    num_experts_per_tok: int
+    """Experts each token is routed to (the router's top-k)."""
     moe_ffn_hidden_size: int
     moe_layers: tuple[int, ...]
     """0-based decoder layers that have a router, ascending; the others are dense."""
@@ -61,11 +62,11 @@ class MoEArchitecture:
                 f"MoE layers ascending in [0, {self.num_layers})",
                 list(self.moe_layers),
             )
-        if self.top_k > self.num_experts:
+        if self.num_experts_per_tok > self.num_experts:
             raise CheckpointFormatError(
                 "config.json:num_experts_per_tok",
                 f"<= the expert count ({self.num_experts})",
-                self.top_k,
+                self.num_experts_per_tok,
             )
         if self.num_attention_heads % self.num_kv_heads:
             raise CheckpointFormatError(
@@ -107,7 +108,7 @@ class TinySizes:
     num_kv_heads: int = 2
     head_dim: int = 8
     num_experts: int = 6
-    top_k: int = 3
+    num_experts_per_tok: int = 3
     moe_ffn_hidden_size: int = 32
     dense_ffn_hidden_size: int = 80
     shared_expert_ffn_hidden_size: int = 40

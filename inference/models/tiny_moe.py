@@ -15,7 +15,7 @@ import torch
 from inference.models.architecture import MoEArchitecture
 
 
-@dataclass(frozen=True)
+@dataclass
 class TinyMoEConfig:
     """Architecture of a Qwen3-MoE-style model (RMSNorm, SwiGLU, RoPE, GQA, QK norm).
 
@@ -26,7 +26,8 @@ class TinyMoEConfig:
     hidden_size: int = 64
     num_layers: int = 4
     num_experts: int = 8
-    top_k: int = 2
+    num_experts_per_tok: int = 2
+    """Experts each token is routed to (the router's top-k; Hugging Face's name)."""
     num_attention_heads: int = 4
     num_kv_heads: int = 2
     head_dim: int = 16
@@ -50,7 +51,7 @@ class TinyMoEConfig:
             "hidden_size",
             "num_layers",
             "num_experts",
-            "top_k",
+            "num_experts_per_tok",
             "num_attention_heads",
             "num_kv_heads",
             "head_dim",
@@ -60,10 +61,10 @@ class TinyMoEConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"TinyMoEConfig.{name}: expected a positive int, got {value!r}")
-        if self.top_k > self.num_experts:
+        if self.num_experts_per_tok > self.num_experts:
             raise ValueError(
-                f"TinyMoEConfig.top_k: expected <= num_experts ({self.num_experts}), "
-                f"got {self.top_k}"
+                f"TinyMoEConfig.num_experts_per_tok: expected <= num_experts "
+                f"({self.num_experts}), got {self.num_experts_per_tok}"
             )
         if self.num_attention_heads % self.num_kv_heads:
             raise ValueError(
@@ -106,7 +107,7 @@ class TinyMoEConfig:
             num_attention_heads=self.num_attention_heads,
             num_key_value_heads=self.num_kv_heads,
             num_experts=self.num_experts,
-            num_experts_per_tok=self.top_k,
+            num_experts_per_tok=self.num_experts_per_tok,
             norm_topk_prob=self.norm_topk_prob,
             decoder_sparse_step=1,
             mlp_only_layers=[],

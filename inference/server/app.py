@@ -72,7 +72,7 @@ import orjson
 from aiohttp import hdrs, web
 
 from inference.engine.base import InferenceEngine
-from inference.errors import RequestValidationError
+from inference.errors import InferenceError, RequestValidationError
 from inference.server.config import ServerConfig
 from inference.server.connections import clock_of, read_before, read_deadline
 from inference.server.render import render_generate_reply
@@ -152,7 +152,7 @@ async def _close_engine(app: web.Application) -> None:
     await app[_ENGINE].close()
 
 
-class Overloaded(Exception):
+class Overloaded(InferenceError):
     """``max_pending_requests`` generate requests are in flight; answered with 503."""
 
 
@@ -196,7 +196,8 @@ def _error_middleware(counters: ServerCounters) -> Any:
             return await handler(request)
         except RequestValidationError as exc:
             counters.rejected += 1
-            response = error_response(exc.status, str(exc), type(exc).__name__, field=exc.field)
+            # The 4xx body keeps its "field" key (the documented HTTP format) for ``.path``.
+            response = error_response(exc.status, str(exc), type(exc).__name__, field=exc.path)
             if exc.status in (408, 413):
                 response.force_close()  # the rest of that body is not worth reading
             return response

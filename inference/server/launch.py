@@ -37,7 +37,7 @@ class EngineSpec:
     """Inference engines run in bf16; "float32" gives exact comparisons in tests."""
     model_name: str = "tiny-moe"
     max_batch_size: int = 64
-    batch_window_s: float = 0.005
+    batch_window_ms: float = 5.0
     batch_invariant: bool = True
     """A request's output depends on its prompt and seed only, not on the requests the
     batching window puts next to it (``inference.models.batch_invariant``); off is the
@@ -57,7 +57,7 @@ class EngineSpec:
         options: dict[str, Any] = {
             "model_name": self.model_name,
             "max_batch_size": self.max_batch_size,
-            "batch_window_s": self.batch_window_s,
+            "batch_window_ms": self.batch_window_ms,
             "batch_invariant": self.batch_invariant,
         }
         if self.checkpoint is not None:

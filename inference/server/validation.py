@@ -4,7 +4,8 @@ Each failure is a ``RequestValidationError`` naming the JSON path, what was expe
 and what came (``$.sampling_params.top_p: expected a number in (0, 1], got 1.5``);
 the server answers it with a 4xx and keeps serving. Unknown keys are refused rather
 than ignored: a misspelt ``max_token`` silently generating 64 tokens is worse. The
-temperature rule is the engine's own (``check_temperature``), so both say the same.
+temperature, top_p and top_k rules are the engine's own (``check_temperature``,
+``check_top_p``, ``check_top_k``), so both say the same.
 """
 
 from __future__ import annotations
@@ -13,7 +14,13 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from inference.engine.base import EngineRequest, SamplingParams, check_temperature
+from inference.engine.base import (
+    EngineRequest,
+    SamplingParams,
+    check_temperature,
+    check_top_k,
+    check_top_p,
+)
 from inference.errors import RequestValidationError
 
 SIDE_CHANNEL_KEYS = ("return_routed_experts", "return_sample_support", "return_packed_body")
@@ -130,12 +137,10 @@ def _sampling(params: dict[str, Any], limits: RequestLimits, *, prompt_len: int)
     temperature = check_temperature(
         params.get("temperature", defaults.temperature), field=f"{path}.temperature"
     )
-    top_p = _number(params.get("top_p", defaults.top_p), f"{path}.top_p")
-    if not 0 < top_p <= 1:
-        raise RequestValidationError(f"{path}.top_p", "a number in (0, 1]", top_p)
-    top_k = _int(params.get("top_k", defaults.top_k), f"{path}.top_k", -1, limits.vocab_size)
-    if top_k == 0:
-        raise RequestValidationError(f"{path}.top_k", "-1 (off) or an int >= 1", top_k)
+    top_p = check_top_p(params.get("top_p", defaults.top_p), field=f"{path}.top_p")
+    top_k = check_top_k(
+        params.get("top_k", defaults.top_k), field=f"{path}.top_k", vocab_size=limits.vocab_size
+    )
     seed = params.get("seed")
     if seed is not None:
         seed = _int(seed, f"{path}.seed", 0, _MAX_SEED)

@@ -32,6 +32,7 @@ from skyrl_gym.envs.answers import (
     extract_answer,
 )
 from skyrl_gym.envs.arith_problems import sample_graded
+from skyrl_gym.errors import EnvError
 
 MAX_EXPR_CHARS = 200
 MAX_DEPTH = 32
@@ -56,7 +57,7 @@ _TOKEN = re.compile(
 )
 
 
-class CalcError(Exception):
+class CalcError(EnvError):
     """A tool error; its message is shown to the model after ``error: ``."""
 
 

@@ -1,17 +1,18 @@
-"""The pipeline's config: typed schema, Hydra loader and launch-time validation.
+"""The pipeline's config: typed schema (Hydra structured config), composition and
+launch-time validation.
 
-cfg = load_config(["trainer.num_steps=5"])   # Hydra compose + strict typed parse
-validate_cfg(cfg)                             # semantic checks, ConfigValidationError
+cfg = load_config(["trainer.num_steps=5"])   # Hydra compose, typed by the schema
+validate_cfg(cfg)                             # field rules + checks across keys
 """
 
-from skyrl_train.config.loader import (
+from skyrl_train.config.compose import (
     CONFIG_DIR,
     CONFIG_NAME,
     config_to_dict,
-    from_mapping,
     load_config,
     parse_config,
 )
+from skyrl_train.config.constraints import check_constraints, setting
 from skyrl_train.config.schema import (
     AlgorithmConfig,
     DataConfig,
@@ -53,10 +54,11 @@ __all__ = [
     "SamplingParamsConfig",
     "TrainerConfig",
     "WeightSyncConfig",
+    "check_constraints",
     "config_to_dict",
-    "from_mapping",
     "load_config",
     "parse_config",
     "refuse_replay_incompatible",
+    "setting",
     "validate_cfg",
 ]

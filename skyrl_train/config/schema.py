@@ -1,71 +1,63 @@
-"""Typed records mirroring ``configs/ppo_base_config.yaml`` node for node.
+"""The config schema: one dataclass per node of ``configs/ppo_base_config.yaml``.
 
-Each dataclass is the schema of one YAML node: the loader (``loader.py``) refuses
-keys a dataclass does not declare and values of the wrong type, naming the dotted
-key. Defaults here equal the YAML's (a test pins that), so code that builds a config
-in Python and a launch that reads the YAML see the same run. Semantic checks
-(divisibility, R3 compatibility) live in one place: ``validate.py``.
+Registered with Hydra's ConfigStore (``config.compose``), so composition itself
+refuses an unknown key or a wrong type, naming the dotted key, ``--cfg job``
+included. Range and choice rules sit beside each field (``setting``, checked by
+``constraints.check_constraints``); checks across fields (divisibility, R3
+compatibility) live in ``validate.py``. Defaults here equal the YAML's (a test pins
+that), so a config built in Python and a launch that reads the YAML see the same run.
+
+The dataclasses are not frozen: OmegaConf makes a frozen dataclass's node read-only,
+and then the YAML cannot be merged into it.
 
 Key names follow SkyRL where SkyRL has one, so launch scripts carry over.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 from inference.models.tiny_moe import TinyMoEConfig
+from skyrl_train.algorithms.advantages import ADVANTAGE_ESTIMATORS
+from skyrl_train.algorithms.policy_loss import POLICY_LOSS_TYPES
+from skyrl_train.config.constraints import setting
 
 # ----------------------------------------------------------------------------- model
 
 
-@dataclass(frozen=True)
+@dataclass
 class ModelConfig:
     """The model a run trains: a Hugging Face checkpoint folder (``path``), or the
-    built-in tiny Qwen3-MoE model described by the other keys.
+    built-in tiny Qwen3-MoE model (``builtin``, its architecture, with ``seed``).
 
-    The architecture keys (``TinyMoEConfig``'s fields) describe only the built-in model;
-    with ``path`` set the architecture comes from its config.json and these keys must
-    stay at their defaults (``config.model_source``). Either way engine and trainer
-    load the same folder, so their layouts cannot drift.
+    Config group ``model`` (``configs/model/``): ``tiny`` (the default) or a preset
+    naming a folder ``scripts/make_checkpoint.py`` writes. With ``path`` set the
+    architecture comes from its config.json and ``builtin`` must stay at its defaults
+    (``config.model_source``). Either way engine and trainer load the same folder, so
+    their layouts cannot drift.
     """
 
-    vocab_size: int = 264
-    hidden_size: int = 64
-    num_layers: int = 4
-    num_experts: int = 8
-    top_k: int = 2
-    num_attention_heads: int = 4
-    num_kv_heads: int = 2
-    head_dim: int = 16
-    moe_intermediate_size: int = 64
-    max_position_embeddings: int = 2048
-    rope_theta: float = 10000.0
-    rms_norm_eps: float = 1e-6
-    norm_topk_prob: bool = True
-    tie_word_embeddings: bool = False
-    initializer_range: float = 0.2
-    seed: int = 0
-    """Seeds the built-in model's random weights (written once per config and seed)."""
     path: str | None = None
     """A checkpoint folder (config.json, *.safetensors, tokenizer files, optionally
     generation_config.json) of a supported family; None means the built-in model."""
+    builtin: TinyMoEConfig = field(default_factory=TinyMoEConfig)
+    """The built-in model's architecture, passed whole to ``inference.models.tiny_moe``."""
+    seed: int = 0
+    """Seeds the built-in model's random weights (written once per architecture and seed)."""
     cache_dir: str | None = None
     """Where the built-in model's folder is written; None: ``$SKYRL_R3_CACHE``, else
     ``$XDG_CACHE_HOME/skyrl_r3``, else ``~/.cache/skyrl_r3``."""
-
-    def tiny_moe(self) -> TinyMoEConfig:
-        """The architecture alone; raises ``ValueError`` if it is inconsistent."""
-        names = {f.name for f in dataclasses.fields(TinyMoEConfig)}
-        return TinyMoEConfig(**{k: v for k, v in dataclasses.asdict(self).items() if k in names})
 
 
 # ------------------------------------------------------------------------- generator
 
 
-@dataclass(frozen=True)
+@dataclass
 class SamplingParamsConfig:
+    """Per-request sampling; the value rules are the inference engine's own
+    (``inference.engine.base.check_*``, applied by ``validate.check_sampling_params``)."""
+
     temperature: float = 1.0
     """0.0 means greedy."""
     top_p: float = 1.0
@@ -73,7 +65,7 @@ class SamplingParamsConfig:
     """-1 means no top-k cut."""
 
 
-@dataclass(frozen=True)
+@dataclass
 class EnvironmentConfig:
     env_class: str = "repeat_letter"
     """A name registered in ``skyrl_gym`` (``skyrl_gym.registered()``, entry points of
@@ -83,7 +75,7 @@ class EnvironmentConfig:
     """Passed to every environment's constructor as keyword arguments."""
 
 
-@dataclass(frozen=True)
+@dataclass
 class DataConfig:
     train_data: list[str] = field(default_factory=list)
     """Parquet or JSON Lines files of prompt rows (SkyRL's schema: ``prompt``,
@@ -94,36 +86,38 @@ class DataConfig:
     generated prompts from a seed training never draws from."""
 
 
-@dataclass(frozen=True)
+@dataclass
 class InferenceEngineConfig:
-    num_engines: int = 1
+    num_engines: int = setting(1, ge=1)
     enable_return_routed_experts: bool = True
     """R3: the server records and returns every token's top-k experts."""
-    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    dtype: str = setting("bfloat16", choices=("bfloat16", "float16", "float32"))
     model_name: str = "tiny-moe"
     host: str = "127.0.0.1"
-    port: int = 0
+    port: int = setting(0, ge=0, le=65535)
     """0 lets the OS pick a free port (each engine gets its own)."""
-    batch_window_ms: float = 5.0
+    batch_window_ms: float = setting(5.0, ge=0.0)
     """How long the server waits to gather requests into one forward batch."""
-    max_batch_size: int = 64
+    max_batch_size: int = setting(64, ge=1)
     batch_invariant: bool = True
     """Generation independent of which requests share a batch (same prompt and seed,
     same tokens, logprobs and routes); the batching window otherwise makes identical
     runs diverge. Off runs the stock forward, faster at batch 64."""
-    num_cpus_per_engine: float = 1.0
+    num_cpus_per_engine: float = setting(1.0, gt=0.0)
     """Ray CPU reservation of one server actor."""
 
 
-@dataclass(frozen=True)
+@dataclass
 class GeneratorConfig:
-    n_samples_per_prompt: int = 8
+    n_samples_per_prompt: int = setting(8, ge=1)
     """GRPO group size: trajectories per prompt."""
-    max_turns: int = 3
-    max_tokens_per_turn: int = 1
-    max_trajectory_tokens: int = 256
-    """Prompt + all turns' tokens; a trajectory that reaches it stops with "length"."""
-    max_concurrent_trajectories: int = 32
+    max_turns: int = setting(3, ge=1)
+    max_tokens_per_turn: int = setting(1, ge=1)
+    max_response_tokens: int = setting(256, ge=1)
+    """Token budget of one trajectory's response: every turn's generated tokens plus the
+    observation tokens between them (the prompt not included); a trajectory that
+    reaches it stops with "length"."""
+    max_concurrent_trajectories: int = setting(32, ge=1)
     sampling_params: SamplingParamsConfig = field(default_factory=SamplingParamsConfig)
     eval_sampling_params: SamplingParamsConfig = field(
         default_factory=lambda: SamplingParamsConfig(temperature=0.0)
@@ -134,19 +128,19 @@ class GeneratorConfig:
 # --------------------------------------------------------------------------- trainer
 
 
-@dataclass(frozen=True)
+@dataclass
 class MegatronConfig:
-    tensor_model_parallel_size: int = 1
-    pipeline_model_parallel_size: int = 1
-    virtual_pipeline_model_parallel_size: int | None = None
+    tensor_model_parallel_size: int = setting(1, ge=1)
+    pipeline_model_parallel_size: int = setting(1, ge=1)
+    virtual_pipeline_model_parallel_size: int | None = setting(None, ge=1)
     """Interleaved pipeline chunks; refused with routing replay (replay goes stale)."""
-    expert_model_parallel_size: int = 1
-    expert_tensor_parallel_size: int | None = None
+    expert_model_parallel_size: int = setting(1, ge=1)
+    expert_tensor_parallel_size: int | None = setting(None, ge=1)
     """None means equal to ``tensor_model_parallel_size`` (Megatron's default)."""
-    context_parallel_size: int = 1
+    context_parallel_size: int = setting(1, ge=1)
     moe_enable_routing_replay: bool = True
     """Replay a recorded expert selection in the trainer's routers (see the source)."""
-    routing_replay_source: Literal["rollout", "old_policy"] = "rollout"
+    routing_replay_source: str = setting("rollout", choices=("rollout", "old_policy"))
     """Where the replayed routes come from. ``rollout`` (R3): the inference engine's,
     returned with each reply, so training routes every token as generation did.
     ``old_policy`` (R2): the trainer's own, recorded in the step's old-logprob forward
@@ -156,24 +150,26 @@ class MegatronConfig:
     """Passed through to megatron-core's ``TransformerConfig``; keys must be its fields."""
 
 
-@dataclass(frozen=True)
+@dataclass
 class OptimizerConfig:
-    lr: float = 1e-3
-    adam_betas: tuple[float, float] = (0.9, 0.999)
-    weight_decay: float = 0.0
-    max_grad_norm: float = 1.0
-    num_warmup_steps: int = 0
+    lr: float = setting(1e-3, gt=0.0)
+    adam_betas: list[float] = setting(
+        default_factory=lambda: [0.9, 0.999], ge=0.0, lt=1.0, length=2
+    )
+    weight_decay: float = setting(0.0, ge=0.0)
+    max_grad_norm: float = setting(1.0, gt=0.0)
+    num_warmup_steps: int = setting(0, ge=0)
     """Optimizer steps (every mini-batch and epoch is one) over which the learning rate
     rises linearly to ``lr``; 0 keeps it constant. Resumes with the optimizer state."""
 
 
-@dataclass(frozen=True)
+@dataclass
 class PolicyConfig:
     optimizer_config: OptimizerConfig = field(default_factory=OptimizerConfig)
     megatron_config: MegatronConfig = field(default_factory=MegatronConfig)
 
 
-@dataclass(frozen=True)
+@dataclass
 class RefConfig:
     """The reference policy: the run's initial weights (``model.path`` or the built-in
     model, never a resumed checkpoint's), kept as one copy of this rank's parameters
@@ -186,90 +182,87 @@ class RefConfig:
     ``trainer.algorithm.use_kl_loss`` keeps the reference either way."""
 
 
-DynamicSamplingType = Literal["filter", "replace"]
-
-
-@dataclass(frozen=True)
+@dataclass
 class DynamicSamplingConfig:
     """Zero-variance groups (every sample of a prompt scored the same) carry no GRPO
     gradient; these options trade extra generation for fewer of them (DAPO, POLARIS)."""
 
-    type: DynamicSamplingType | None = None
+    type: str | None = setting(None, choices=("filter", "replace"))
     """None: train on what was sampled. "filter" (DAPO): drop flat groups and sample
     more prompts until ``trainer.train_batch_size`` groups vary, at most
     ``max_sample_batches`` batches a step (short: flat groups fill the rest).
     "replace" (POLARIS): copy groups that vary over the flat ones, when at least
     ``min_replace_ratio`` of the groups vary."""
-    max_sample_batches: int = 4
+    max_sample_batches: int = setting(4, ge=1)
     """"filter": generation rounds per step, the first included."""
-    min_replace_ratio: float = 0.3
+    min_replace_ratio: float = setting(0.3, ge=0.0, le=1.0)
     """"replace": the share of varying groups below which the batch is left as is."""
 
 
-@dataclass(frozen=True)
+@dataclass
 class AlgorithmConfig:
-    advantage_estimator: Literal["grpo", "rloo", "reinforce++"] = "grpo"
+    advantage_estimator: str = setting("grpo", choices=ADVANTAGE_ESTIMATORS)
     """"grpo": group-normalised; "rloo": leave-one-out group baseline; "reinforce++":
     returns whitened over the batch's tokens (``algorithms.advantages``)."""
     norm_adv_by_std_in_grpo: bool = True
     """Divide GRPO's centred rewards by the group std (grpo only)."""
-    advantage_eps: float = 1e-6
-    policy_loss_type: Literal["regular", "gspo"] = "regular"
+    advantage_eps: float = setting(1e-6, ge=0.0)
+    policy_loss_type: str = setting("regular", choices=POLICY_LOSS_TYPES)
     """"regular": token-level PPO-clip; "gspo": one ratio per sequence (GSPO). GSPO's
     ratios stay near 1, so set eps_clip_low/high far tighter (the paper: 3e-4/4e-4)."""
-    eps_clip_low: float = 0.2
-    eps_clip_high: float = 0.2
-    clip_ratio_c: float | None = None
+    eps_clip_low: float = setting(0.2, ge=0.0, lt=1.0)
+    eps_clip_high: float = setting(0.2, ge=0.0, lt=1.0)
+    clip_ratio_c: float | None = setting(None, gt=1.0)
     """Dual-clip bound for negative advantages (> 1); None turns dual clip off.
     Regular loss only."""
     use_tis: bool = False
     """Truncated importance sampling against the rollout logprobs."""
-    tis_imp_ratio_cap: float = 2.0
+    tis_imp_ratio_cap: float = setting(2.0, gt=0.0)
     use_kl_loss: bool = False
     """Adds ``kl_loss_coef`` x the k3 KL of the policy to the reference (``trainer.ref``)."""
-    kl_loss_coef: float = 0.001
+    kl_loss_coef: float = setting(0.001, ge=0.0)
     use_entropy_loss: bool = True
     """Subtracts ``entropy_loss_coef`` x the token-mean entropy of the policy from the
     loss: a bonus that slows the collapse onto one answer."""
-    entropy_loss_coef: float = 0.05
+    entropy_loss_coef: float = setting(0.05, ge=0.0)
     dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
 
 
-@dataclass(frozen=True)
+@dataclass
 class PlacementConfig:
-    num_trainers: int = 1
+    num_trainers: int = setting(1, ge=1)
     """Policy trainer processes (Megatron world size)."""
-    cpus_per_trainer: float = 1.0
+    cpus_per_trainer: float = setting(1.0, gt=0.0)
 
 
-@dataclass(frozen=True)
+@dataclass
 class WeightSyncConfig:
-    mode: Literal["full", "delta"] = "full"
+    mode: str = setting("full", choices=("full", "delta"))
     """"full" sends every tensor each step; "delta" only tensors that changed."""
-    max_threads: int = 2
+    max_threads: int = setting(2, ge=1)
     """Cap for the sync thread pool (sized by ``cpu_topology.pool_workers``)."""
 
 
-@dataclass(frozen=True)
+@dataclass
 class TrainerConfig:
     seed: int = 0
-    num_steps: int = 150
-    train_batch_size: int = 8
+    num_steps: int = setting(150, ge=1)
+    train_batch_size: int = setting(8, ge=1)
     """Prompts per training step (trajectories = this x n_samples_per_prompt)."""
-    policy_mini_batch_size: int = 4
+    policy_mini_batch_size: int = setting(4, ge=1)
     """Prompts per optimizer step."""
-    micro_train_batch_size_per_gpu: int = 32
+    micro_train_batch_size_per_gpu: int = setting(32, ge=1)
     """Trajectories per forward/backward on one trainer rank."""
-    micro_forward_batch_size_per_gpu: int = 64
+    micro_forward_batch_size_per_gpu: int = setting(64, ge=1)
     """Trajectories per logprob-only forward on one trainer rank."""
-    update_epochs_per_batch: int = 1
-    eval_interval: int = 10
+    update_epochs_per_batch: int = setting(1, ge=1)
+    eval_interval: int = setting(10, ge=0)
     """Steps between evaluations; 0 turns evaluation off."""
-    eval_batch_size: int = 30
+    eval_batch_size: int = setting(30, ge=1)
     """Prompts per evaluation (one greedy sample each)."""
-    ckpt_interval: int = 0
+    ckpt_interval: int = setting(0, ge=0)
     """Steps between checkpoints; 0 turns checkpointing off."""
-    max_ckpts_to_keep: int | None = -1
+    max_ckpts_to_keep: int | None = setting(-1, ge=1, also=(-1,))
     """Complete checkpoints kept under ``<run_dir>/checkpoints``: after each save the
     oldest beyond this many are deleted (never the one just written). -1 or None keeps
     all (SkyRL's key and default)."""
@@ -288,28 +281,30 @@ class TrainerConfig:
 # -------------------------------------------------------------------- ray and logging
 
 
-@dataclass(frozen=True)
+@dataclass
 class RayConfig:
     address: str | None = None
     """None starts a local Ray; otherwise the address of a running cluster."""
-    num_cpus: int | None = None
+    num_cpus: int | None = setting(None, ge=1)
     """CPUs a local Ray may use; None lets Ray count them."""
     runtime_env: dict[str, Any] = field(default_factory=dict)
 
 
-@dataclass(frozen=True)
+@dataclass
 class LoggingConfig:
-    jsonl: bool = True
-    """One JSON line of metrics per step in ``<run_dir>/metrics.jsonl``."""
-    tensorboard: bool = True
-    """Write event files to ``<run_dir>/tensorboard`` when ``tensorboard`` is installed;
-    silently skipped otherwise, so the default install stays small."""
+    trackers: list[str] = field(default_factory=lambda: ["jsonl"])
+    """Where each step's metrics go, any of (``skyrl_train.utils.tracking.TRACKERS``):
+    ``jsonl`` (one line per step in ``<run_dir>/metrics.jsonl``, which ``plot`` reads),
+    ``tensorboard`` (``<run_dir>/tensorboard``), ``wandb`` and ``mlflow`` (a run named
+    after ``run_dir``; project, mode and server from their own environment variables).
+    The last three are extras (``pip install 'skyrl-r3[tensorboard]'``); one that is
+    not installed, an unknown name or a repeated one fails validation."""
     progress_bar: bool = True
     plot: bool = True
     """Save ``<run_dir>/metrics.png`` at the end of the run."""
 
 
-@dataclass(frozen=True)
+@dataclass
 class PPOConfig:
     """The whole pipeline: ``configs/ppo_base_config.yaml``."""
 

@@ -57,7 +57,11 @@ def read_rows(path: str | Path, *, key: str) -> list[dict[str, Any]]:
     except Exception as exc:  # pyarrow raises several types; all mean "unreadable"
         if file.suffix == ".parquet":
             raise DatasetError(
-                key, file, row=None, field=None, reason=f"unreadable: {exc}"
+                key,
+                file,
+                row=None,
+                field=None,
+                reason=f"expected a readable parquet file, got {exc}",
             ) from exc
     # pyarrow infers one schema per file and names no line when a row breaks it (a
     # prompt that is a string in one row and a list in the others, a bad line): read
@@ -77,7 +81,11 @@ def _json_lines(file: Path, key: str) -> list[dict[str, Any]]:
                 value = orjson.loads(line)
             except orjson.JSONDecodeError as exc:
                 raise DatasetError(
-                    key, file, row=number, field=None, reason=f"expected a JSON object: {exc}"
+                    key,
+                    file,
+                    row=number,
+                    field=None,
+                    reason=f"expected a JSON object, got invalid JSON ({exc})",
                 ) from exc
             if not isinstance(value, dict):
                 raise DatasetError(
@@ -166,7 +174,11 @@ def load_tasks(
                 getattr(env, "close", lambda: None)()
             except (skyrl_gym.EnvError, TypeError, ValueError) as exc:
                 raise DatasetError(
-                    file_key, path, row=number, field="env_class", reason=f"{task.env_name}: {exc}"
+                    file_key,
+                    path,
+                    row=number,
+                    field="env_class",
+                    reason=f"expected a row {task.env_name!r} accepts, got {exc}",
                 ) from exc
             tasks.append(task)
     return tasks

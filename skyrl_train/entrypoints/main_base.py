@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import secrets
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,12 +21,18 @@ from typing import TYPE_CHECKING, Any
 import hydra
 from omegaconf import DictConfig
 
-from skyrl_train.config.loader import CONFIG_DIR, CONFIG_NAME, parse_config
+from skyrl_train.config.compose import CONFIG_DIR, CONFIG_NAME, check_override_keys, parse_config
 from skyrl_train.config.schema import PPOConfig
 from skyrl_train.config.validate import validate_cfg
+from skyrl_train.errors import ConfigValidationError
+from skyrl_train.utils.logs import console_logging, job_log
 
 if TYPE_CHECKING:
     from skyrl_train.utils.ray_session import RaySession
+
+# Named, not __name__: run as ``python -m`` this module is ``__main__``, and the console
+# shows only skyrl_train.* INFO lines bare (utils.logs).
+logger = logging.getLogger("skyrl_train.entrypoints.main_base")
 
 
 @dataclass
@@ -75,54 +83,58 @@ def launch(cfg: PPOConfig) -> Iterator[Job]:
     verify_resume(cfg)
     run_dir = Path(cfg.trainer.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    # model.path, or the built-in model written once as a folder: from here on every
-    # run loads a checkpoint folder the same way (engines, trainers, tokenizer).
-    checkpoint = model_checkpoint(cfg.model)
-    info = inspect_checkpoint(checkpoint)
-    tokenizer = info.tokenizer
-    # One bearer token per run, handed to servers and clients as Ray call arguments:
-    # never on a command line (ps shows those) and never printed.
-    api_key = secrets.token_urlsafe(32)
-    ray_session = start_ray(
-        address=cfg.ray.address,
-        num_cpus=cfg.ray.num_cpus,
-        runtime_env=cfg.ray.runtime_env,
-    )
-    servers: list[Any] = []
-    policy: Any = None
-    try:
-        engine = cfg.generator.inference_engine
-        spec = EngineSpec(
-            checkpoint=str(checkpoint),
-            dtype=engine.dtype,
-            model_name=engine.model_name,
-            max_batch_size=engine.max_batch_size,
-            batch_window_s=engine.batch_window_ms / 1000.0,
-            batch_invariant=engine.batch_invariant,
+    # The job log opens only now, after validation: a refused launch leaves no folder.
+    with job_log(run_dir / "main_base.log"):
+        # model.path, or the built-in model written once as a folder: from here on every
+        # run loads a checkpoint folder the same way (engines, trainers, tokenizer).
+        checkpoint = model_checkpoint(cfg.model)
+        info = inspect_checkpoint(checkpoint)
+        tokenizer = info.tokenizer
+        # One bearer token per run, handed to servers and clients as Ray call arguments:
+        # never on a command line (ps shows those) and never printed.
+        api_key = secrets.token_urlsafe(32)
+        ray_session = start_ray(
+            address=cfg.ray.address,
+            num_cpus=cfg.ray.num_cpus,
+            runtime_env=cfg.ray.runtime_env,
         )
-        urls = []
-        for _ in range(engine.num_engines):
-            handle, url = create_server_actor(
-                spec,
-                ServerConfig(host=engine.host, port=engine.port, api_key=api_key),
-                num_cpus=engine.num_cpus_per_engine,
+        servers: list[Any] = []
+        policy: Any = None
+        try:
+            engine = cfg.generator.inference_engine
+            spec = EngineSpec(
+                checkpoint=str(checkpoint),
+                dtype=engine.dtype,
+                model_name=engine.model_name,
+                max_batch_size=engine.max_batch_size,
+                batch_window_ms=engine.batch_window_ms,
+                batch_invariant=engine.batch_invariant,
             )
-            servers.append(handle)
-            urls.append(url)
-        policy = PolicyGroup.place(cfg, checkpoint=str(checkpoint), pad_token_id=info.pad_token_id)
-        policy.setup()
-        loop = GRPOLoop(
-            cfg,
-            tokenizer=tokenizer,
-            server_urls=urls,
-            policy=policy,
-            pad_token_id=info.pad_token_id,
-            api_key=api_key,
-            datasets=datasets,
-        )
-        yield Job(cfg=cfg, server_urls=urls, policy=policy, loop=loop, api_key=api_key)
-    finally:
-        _teardown(servers, policy, ray_session)
+            urls = []
+            for _ in range(engine.num_engines):
+                handle, url = create_server_actor(
+                    spec,
+                    ServerConfig(host=engine.host, port=engine.port, api_key=api_key),
+                    num_cpus=engine.num_cpus_per_engine,
+                )
+                servers.append(handle)
+                urls.append(url)
+            policy = PolicyGroup.place(
+                cfg, checkpoint=str(checkpoint), pad_token_id=info.pad_token_id
+            )
+            policy.setup()
+            loop = GRPOLoop(
+                cfg,
+                tokenizer=tokenizer,
+                server_urls=urls,
+                policy=policy,
+                pad_token_id=info.pad_token_id,
+                api_key=api_key,
+                datasets=datasets,
+            )
+            yield Job(cfg=cfg, server_urls=urls, policy=policy, loop=loop, api_key=api_key)
+        finally:
+            _teardown(servers, policy, ray_session)
 
 
 def run(cfg: PPOConfig) -> list[dict[str, float]]:
@@ -130,11 +142,11 @@ def run(cfg: PPOConfig) -> list[dict[str, float]]:
     from skyrl_train.utils.tracking import plot_metrics
 
     with launch(cfg) as job:
-        print(f"inference servers: {', '.join(job.server_urls)}", flush=True)
+        logger.info("inference servers: %s", ", ".join(job.server_urls))
         history = job.train()
     metrics_file = Path(cfg.trainer.run_dir) / "metrics.jsonl"
     if cfg.logging.plot and metrics_file.is_file():
-        print(f"plot: {plot_metrics(metrics_file, metrics_file.with_suffix('.png'))}")
+        logger.info("plot: %s", plot_metrics(metrics_file, metrics_file.with_suffix(".png")))
     return history
 
 
@@ -145,7 +157,7 @@ def _teardown(servers: list[Any], policy: Any, ray_session: RaySession) -> None:
         try:
             ray.get(handle.stop.remote(), timeout=30)
         except Exception as exc:  # a dead actor must not keep the others alive
-            print(f"warning: inference server did not stop cleanly: {exc!r}")
+            logger.warning("inference server did not stop cleanly: %r", exc)
         ray.kill(handle)
     if policy is not None:
         policy.kill()
@@ -153,8 +165,33 @@ def _teardown(servers: list[Any], policy: Any, ray_session: RaySession) -> None:
 
 
 @hydra.main(config_path=str(CONFIG_DIR), config_name=CONFIG_NAME, version_base="1.3")
-def main(cfg: DictConfig) -> None:
-    run(parse_config(cfg))
+def _hydra_main(cfg: DictConfig) -> None:
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    job_dir = None
+    if HydraConfig.get().mode == RunMode.MULTIRUN:
+        # Each sweep job trains in its own folder (hydra.sweep: <run_dir>/<job number>),
+        # so two jobs never append to one metrics.jsonl.
+        job_dir = Path(HydraConfig.get().runtime.output_dir)
+        cfg.trainer.run_dir = str(job_dir)
+    try:
+        with console_logging():
+            run(parse_config(cfg))
+    except ConfigValidationError:
+        if job_dir is not None and job_dir.is_dir() and not any(job_dir.iterdir()):
+            job_dir.rmdir()  # Hydra made it for this job; a refused job leaves nothing
+        raise
+
+
+def main() -> None:
+    """The command line: Hydra overrides, ``--cfg job``, ``-m`` sweeps."""
+    # Hydra's own message for a misspelt key names no alternative; this one does.
+    try:
+        check_override_keys(sys.argv[1:])
+    except ConfigValidationError as exc:
+        sys.exit(f"error: {exc}")
+    _hydra_main()
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ Everything here imports numpy and the gym only; the HTTP client is passed in.
 """
 
 from skyrl_train.generators.base import GeneratorInput, GeneratorOutput
-from skyrl_train.generators.gym_generator import GymGenerator, GymGeneratorConfig
+from skyrl_train.generators.gym_generator import GymGenerator
 from skyrl_train.generators.rendering import ChatTemplateRenderer, ObservationRenderer
 from skyrl_train.generators.traces import (
     RoutedExpertTrace,
@@ -17,7 +17,6 @@ __all__ = [
     "GeneratorInput",
     "GeneratorOutput",
     "GymGenerator",
-    "GymGeneratorConfig",
     "ObservationRenderer",
     "RouteTraceResult",
     "RoutedExpertTrace",

@@ -35,6 +35,11 @@ class GeneratorOutput:
     token_rewards: list[list[float]]
     """Per response token; the trajectory reward sits on the last loss-active token."""
     stop_reasons: list[str]
+    """Why each trajectory ended: ``done`` (the environment), ``max_turns`` or ``budget``
+    (``generator.max_response_tokens``). SkyRL's name; not the engine's per-request
+    ``finish_reason`` (``stop``/``length``, OpenAI's name on the wire), which says why
+    one turn's generation stopped: a trajectory has one stop reason and a finish
+    reason per turn."""
     rollout_metrics: dict[str, float]
     rollout_logprobs: list[list[float]] | None = None
     """Sampled-token logprob per response token, 0.0 on observation tokens; None when

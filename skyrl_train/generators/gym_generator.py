@@ -19,7 +19,9 @@ from typing import Any, Protocol
 import numpy as np
 
 import skyrl_gym
-from skyrl_train.config.validate import check_temperature_key
+from skyrl_train.config.constraints import check_constraints
+from skyrl_train.config.schema import GeneratorConfig, SamplingParamsConfig
+from skyrl_train.config.validate import check_sampling_params
 from skyrl_train.errors import ConfigValidationError, RouteTraceError
 from skyrl_train.generators.base import GeneratorInput, GeneratorOutput
 from skyrl_train.generators.rendering import ChatTemplateRenderer, ObservationRenderer
@@ -42,41 +44,6 @@ class GenerateClient(Protocol):
         routed_experts_prompt_start: int | None = None,
         return_packed_body: bool = False,
     ) -> Any: ...
-
-
-@dataclass(frozen=True)
-class GymGeneratorConfig:
-    max_turns: int = 4
-    """Policy turns per trajectory; environments may finish sooner."""
-    max_tokens_per_turn: int = 16
-    max_response_tokens: int = 256
-    """Token budget per trajectory: generated plus observation tokens (the response)."""
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    stop_token_ids: tuple[int, ...] | None = None
-    """None: the renderer's end-of-turn token (<|im_end|> for the byte tokenizer)."""
-    return_routed_experts: bool = False
-    """R3: request, stitch and return routes. Off: nothing about routes is sent or kept."""
-    max_concurrent_trajectories: int = 64
-    seed: int = 0
-    """Request seeds derive from (seed, generate call, trajectory index, turn)."""
-    progress: bool = True
-    """A tqdm bar over finished trajectories."""
-
-    def __post_init__(self) -> None:
-        for name in (
-            "max_turns",
-            "max_tokens_per_turn",
-            "max_response_tokens",
-            "max_concurrent_trajectories",
-        ):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigValidationError(
-                    f"generator.{name}", f"expected an int >= 1, got {value!r}"
-                )
-        check_temperature_key(self.temperature, "generator.temperature")
 
 
 @dataclass
@@ -122,20 +89,41 @@ class GymGenerator:
         self,
         clients: GenerateClient | Sequence[GenerateClient],
         tokenizer: Any,
-        config: GymGeneratorConfig,
+        config: GeneratorConfig,
         *,
+        seed: int = 0,
+        evaluation: bool = False,
+        progress: bool = True,
+        stop_token_ids: Sequence[int] | None = None,
         renderer: ObservationRenderer | None = None,
     ) -> None:
+        """``config``: the ``generator`` node, read as it is (never copied).
+        ``seed``: request seeds derive from (seed, generate call, trajectory, turn).
+        ``evaluation``: sample with ``eval_sampling_params`` and request no routes;
+        otherwise ``sampling_params``, with routes iff
+        ``inference_engine.enable_return_routed_experts`` (R3; off, nothing about
+        routes is sent or kept). ``progress``: a tqdm bar over finished trajectories.
+        ``stop_token_ids``: None means the renderer's end-of-turn token."""
         self.clients = list(clients) if isinstance(clients, Sequence) else [clients]
         if not self.clients:
             raise ConfigValidationError(
                 "generator.clients", "expected at least one client, got none"
             )
-        self.tokenizer = tokenizer
+        # A node built in Python skipped launch validation: refuse it here, not mid-run.
+        check_constraints(config, prefix="generator")
+        sampling = "eval_sampling_params" if evaluation else "sampling_params"
+        self.sampling: SamplingParamsConfig = getattr(config, sampling)
+        check_sampling_params(self.sampling, f"generator.{sampling}")
         self.config = config
+        self.return_routed_experts = (
+            not evaluation and config.inference_engine.enable_return_routed_experts
+        )
+        self.seed = seed
+        self.progress = progress
+        self.tokenizer = tokenizer
         self.renderer = renderer if renderer is not None else ChatTemplateRenderer(tokenizer)
-        stops = config.stop_token_ids
-        self._stop_ids = list(self.renderer.stop_token_ids if stops is None else stops)
+        stops = self.renderer.stop_token_ids if stop_token_ids is None else stop_token_ids
+        self._stop_ids = list(stops)
         self._calls = 0
         """generate() calls so far: seeds differ per call, so GRPO steps that revisit a
         prompt sample afresh, yet a rerun of the same sequence of calls is identical."""
@@ -154,7 +142,7 @@ class GymGenerator:
             skyrl_gym.make(name, **kw) for name, kw in zip(batch.env_names, extras, strict=True)
         ]
         gate = asyncio.Semaphore(self.config.max_concurrent_trajectories)
-        bar = _progress(n, enabled=self.config.progress)
+        bar = _progress(n, enabled=self.progress)
         started = time.perf_counter()
 
         async def one(i: int) -> _Trajectory:
@@ -184,7 +172,7 @@ class GymGenerator:
         cfg = self.config
         messages, _info = env.init(prompt)
         traj = _Trajectory(index=index, prompt_ids=self.renderer.initial(messages))
-        if cfg.return_routed_experts:
+        if self.return_routed_experts:
             traj.trace = RoutedExpertTrace(f"#{index}")
         client = self.clients[index % len(self.clients)]
         for turn in range(cfg.max_turns):
@@ -241,13 +229,13 @@ class GymGenerator:
         *,
         max_tokens: int,
     ) -> Any:
-        cfg = self.config
+        sp = self.sampling
         params = {
             "max_tokens": max_tokens,
-            "temperature": cfg.temperature,
-            "top_p": cfg.top_p,
-            "top_k": cfg.top_k,
-            "seed": _request_seed(cfg.seed, self._calls, traj.index, turn),
+            "temperature": sp.temperature,
+            "top_p": sp.top_p,
+            "top_k": sp.top_k,
+            "seed": _request_seed(self.seed, self._calls, traj.index, turn),
             "stop_token_ids": self._stop_ids,
         }
         trace = traj.trace
@@ -281,7 +269,7 @@ class GymGenerator:
                 row[active[-1]] = t.reward
             token_rewards.append(row)
         with_logprobs = all(t.logprobs is not None for t in trajs)
-        routes = [t.routes for t in trajs] if self.config.return_routed_experts else None
+        routes = [t.routes for t in trajs] if self.return_routed_experts else None
         reported = any(t.solved is not None for t in trajs)
         return GeneratorOutput(
             prompt_token_ids=[t.prompt_ids for t in trajs],

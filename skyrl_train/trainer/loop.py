@@ -14,8 +14,8 @@ and verified on resume (``checkpoint.py``); ``trainer.max_ckpts_to_keep`` bounds
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
+import logging
 import random
 import shutil
 import time
@@ -43,7 +43,7 @@ from skyrl_train.config.schema import PPOConfig
 from skyrl_train.dataset.preprocess import convert_to_training_batch
 from skyrl_train.dataset.prompts import PromptDatasets, load_datasets, sample_step
 from skyrl_train.generators.base import GeneratorInput, GeneratorOutput, concat_outputs
-from skyrl_train.generators.gym_generator import GymGenerator, GymGeneratorConfig
+from skyrl_train.generators.gym_generator import GymGenerator
 from skyrl_train.trainer.checkpoint import (
     DRIVER_FILE,
     begin_save,
@@ -53,6 +53,8 @@ from skyrl_train.trainer.checkpoint import (
 )
 from skyrl_train.utils.durable import write_file
 from skyrl_train.utils.tracking import MetricsTracker, format_metrics_line
+
+logger = logging.getLogger(__name__)
 
 LINE_KEYS = (
     ("reward/mean", "reward"),
@@ -104,26 +106,6 @@ class GRPOLoop:
         self.api_key = api_key
         self.run_dir = Path(cfg.trainer.run_dir)
         self.datasets = datasets if datasets is not None else load_datasets(cfg)
-        g = cfg.generator
-        self.gen_config = GymGeneratorConfig(
-            max_turns=g.max_turns,
-            max_tokens_per_turn=g.max_tokens_per_turn,
-            max_response_tokens=g.max_trajectory_tokens,
-            temperature=g.sampling_params.temperature,
-            top_p=g.sampling_params.top_p,
-            top_k=g.sampling_params.top_k,
-            return_routed_experts=g.inference_engine.enable_return_routed_experts,
-            max_concurrent_trajectories=g.max_concurrent_trajectories,
-            # A second, transient bar over trajectories inside each step's rollout.
-            progress=cfg.logging.progress_bar,
-        )
-        self.eval_config = dataclasses.replace(
-            self.gen_config,
-            temperature=g.eval_sampling_params.temperature,
-            top_p=g.eval_sampling_params.top_p,
-            top_k=g.eval_sampling_params.top_k,
-            return_routed_experts=False,
-        )
 
     # ---- the run ---------------------------------------------------------------------
 
@@ -133,10 +115,7 @@ class GRPOLoop:
         t = self.cfg.trainer
         # Lines of steps after start_step (left by the run this one resumes) are dropped.
         tracker = MetricsTracker(
-            self.run_dir,
-            jsonl=self.cfg.logging.jsonl,
-            tensorboard=self.cfg.logging.tensorboard,
-            start_step=start_step,
+            self.run_dir, trackers=self.cfg.logging.trackers, start_step=start_step
         )
         clients = [RemoteGenerateClient(url, api_key=self.api_key) for url in self.server_urls]
         bar = tqdm(
@@ -154,7 +133,9 @@ class GRPOLoop:
                 tracker.log(step, metrics)
                 history.append(metrics)
                 bar.update(1)
-                tqdm.write(format_metrics_line(step, metrics, LINE_KEYS))
+                # INFO, so it reaches the job log file too; the launch's console handler
+                # prints it bare through tqdm.write, above the progress bar.
+                logger.info(format_metrics_line(step, metrics, LINE_KEYS))
                 if t.ckpt_interval and step % t.ckpt_interval == 0:
                     await self.save_checkpoint(step)
         finally:
@@ -224,7 +205,12 @@ class GRPOLoop:
         )
         seed = _step_seed(cfg.trainer.seed, step) + round * _ROUND_SEED_STRIDE
         generator = GymGenerator(
-            clients, self.tokenizer, dataclasses.replace(self.gen_config, seed=seed)
+            clients,
+            self.tokenizer,
+            cfg.generator,
+            seed=seed,
+            # A second, transient bar over trajectories inside each step's rollout.
+            progress=cfg.logging.progress_bar,
         )
         output = await generator.generate(self._input(tasks, cfg.generator.n_samples_per_prompt))
         return tasks, output
@@ -269,7 +255,13 @@ class GRPOLoop:
         """Greedy rollouts of every held-out prompt: the mean reward (and per data
         source) and, when the environments report ``solved``, the success rate."""
         tasks = self.datasets.eval
-        generator = GymGenerator(clients, self.tokenizer, self.eval_config)
+        generator = GymGenerator(
+            clients,
+            self.tokenizer,
+            self.cfg.generator,
+            evaluation=True,
+            progress=self.cfg.logging.progress_bar,
+        )
         output = await generator.generate(self._input(tasks, 1))
         metrics = {"eval/reward_mean": float(np.mean(output.rewards))}
         solved = success_rate(output.solved or [])

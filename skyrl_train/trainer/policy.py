@@ -134,7 +134,7 @@ class PolicyTrainer:
         cfg, opt = self.cfg, self.cfg.trainer.policy.optimizer_config
         self.worker = MegatronPolicyWorker(
             inspect_checkpoint(self.checkpoint).architecture,
-            megatron_settings_of(cfg.trainer.policy.megatron_config),
+            cfg.trainer.policy.megatron_config,
             optimizer=OptimizerSettings(
                 lr=opt.lr,
                 weight_decay=opt.weight_decay,
@@ -489,22 +489,3 @@ def load_rank_state(folder: Path, *, rank: int, world_size: int) -> dict[str, An
             f"got {world_size}",
         )
     return state
-
-
-def megatron_settings_of(node: Any) -> dict[str, Any]:
-    """The worker's settings mapping from a ``megatron_config`` node.
-
-    ``expert_tensor_parallel_size`` is a TransformerConfig field, so it travels with
-    the passthrough kwargs; None means "same as tensor parallel" and is left out.
-    """
-    import dataclasses
-
-    is_instance = dataclasses.is_dataclass(node) and not isinstance(node, type)
-    values = dataclasses.asdict(node) if is_instance else dict(node)
-    values.pop("routing_replay_source", None)  # the trainer's choice, not the model's
-    etp = values.pop("expert_tensor_parallel_size", None)
-    kwargs = dict(values.get("transformer_config_kwargs") or {})
-    if etp is not None:
-        kwargs.setdefault("expert_tensor_parallel_size", etp)
-    values["transformer_config_kwargs"] = kwargs
-    return values

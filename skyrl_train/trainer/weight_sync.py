@@ -14,14 +14,14 @@ import asyncio
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
 from skyrl_train.utils.cpu_topology import pool_workers
 from skyrl_train.utils.parallel import fill_batch_rows
 
-SyncMode = Literal["full", "delta"]
+SYNC_MODES = ("full", "delta")
 
 
 @dataclass
@@ -43,11 +43,11 @@ class WeightSyncer:
     def __init__(
         self,
         *,
-        mode: SyncMode = "full",
+        mode: str = "full",
         bucket_bytes: int = 32 << 20,
         max_threads: int = 2,
     ) -> None:
-        if mode not in ("full", "delta"):
+        if mode not in SYNC_MODES:
             raise ValueError(f"trainer.weight_sync.mode: expected 'full' or 'delta', got {mode!r}")
         if bucket_bytes < 1:
             raise ValueError(f"bucket_bytes: expected >= 1, got {bucket_bytes}")

@@ -1,14 +1,23 @@
-"""Per-step metrics: one JSONL line each, TensorBoard when installed, a PNG at the end."""
+"""Per-step metrics to the trackers in ``logging.trackers``, a PNG at the end.
+
+Each tracker is one small class with the same two calls (``Tracker``): ``jsonl``
+(always available, the file the plot and the tests read), and ``tensorboard``,
+``wandb`` and ``mlflow``, each an optional extra (``pip install 'skyrl-r3[wandb]'``).
+``check_trackers`` refuses an unknown, repeated or not-installed name when the config
+is validated, so asking for a tracker never silently logs nothing.
+"""
 
 from __future__ import annotations
 
+import importlib
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar, Protocol
 
 import orjson
 
+from skyrl_train.errors import ConfigValidationError
 from skyrl_train.utils.durable import replace_file
 
 # One panel each in the end-of-run plot: what the run learns (reward, success, the
@@ -47,58 +56,194 @@ PLOT_PANELS: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = (
 )
 
 
+class Tracker(Protocol):
+    """One metrics destination, built as ``cls(run_dir, start_step=n)``.
+
+    ``log`` gets every metric of a step, a value that is not finite as None (JSONL
+    writes it as null; the others leave it out). ``requires`` is the module the tracker
+    imports (None: nothing beyond the default install); its pip extra has the
+    tracker's name.
+    """
+
+    requires: ClassVar[str | None]
+
+    def __init__(self, run_dir: Path, *, start_step: int) -> None: ...
+
+    def log(self, step: int, metrics: Mapping[str, float | None]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class JsonlTracker:
+    """``{"step": n, **metrics}`` appended to ``<run_dir>/metrics.jsonl``.
+
+    A run starting after ``start_step`` (0 for a fresh run, the checkpoint's step for
+    a resumed one) owns every later step: lines of steps > ``start_step`` that an
+    earlier run left in the folder are dropped first (``drop_steps_after``, an atomic
+    rewrite), so a run resumed into its own folder holds each step exactly once.
+    """
+
+    requires: ClassVar[str | None] = None
+
+    def __init__(self, run_dir: Path, *, start_step: int) -> None:
+        self.path = run_dir / "metrics.jsonl"
+        drop_steps_after(self.path, start_step)
+
+    def log(self, step: int, metrics: Mapping[str, float | None]) -> None:
+        with self.path.open("ab") as fh:
+            fh.write(orjson.dumps({"step": step, **metrics}) + b"\n")
+
+    def close(self) -> None:
+        pass
+
+
+class TensorBoardTracker:
+    """Event files in ``<run_dir>/tensorboard``; TensorBoard is told to purge the
+    events of steps from ``start_step + 1`` on, which a resumed run logs again."""
+
+    requires: ClassVar[str | None] = "torch.utils.tensorboard"
+
+    def __init__(self, run_dir: Path, *, start_step: int) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        self._writer = SummaryWriter(str(run_dir / "tensorboard"), purge_step=start_step + 1)
+
+    def log(self, step: int, metrics: Mapping[str, float | None]) -> None:
+        for key, value in _present(metrics).items():
+            self._writer.add_scalar(key, value, step)
+
+    def close(self) -> None:
+        self._writer.close()
+
+
+class WandbTracker:
+    """A Weights & Biases run named after ``run_dir``, its files under ``run_dir``.
+
+    Everything else is wandb's own settings, read from its environment variables:
+    ``WANDB_PROJECT`` (the project), ``WANDB_MODE`` (``offline`` on a machine without
+    network, ``disabled``), ``WANDB_API_KEY``. A resumed launch is a new wandb run
+    starting at ``start_step + 1``.
+    """
+
+    requires: ClassVar[str | None] = "wandb"
+
+    def __init__(self, run_dir: Path, *, start_step: int) -> None:
+        import wandb
+
+        self._run = wandb.init(name=run_dir.name, dir=str(run_dir))
+
+    def log(self, step: int, metrics: Mapping[str, float | None]) -> None:
+        self._run.log(_present(metrics), step=step)
+
+    def close(self) -> None:
+        self._run.finish()
+
+
+class MlflowTracker:
+    """An MLflow run named after ``run_dir``.
+
+    Where it goes is MLflow's own settings, read from its environment variables:
+    ``MLFLOW_TRACKING_URI`` (unset: a local store in the working folder, no network)
+    and ``MLFLOW_EXPERIMENT_NAME``. A resumed launch is a new MLflow run.
+    """
+
+    requires: ClassVar[str | None] = "mlflow"
+
+    def __init__(self, run_dir: Path, *, start_step: int) -> None:
+        import mlflow
+
+        self._mlflow = mlflow
+        mlflow.start_run(run_name=run_dir.name)
+
+    def log(self, step: int, metrics: Mapping[str, float | None]) -> None:
+        self._mlflow.log_metrics(_present(metrics), step=step)
+
+    def close(self) -> None:
+        self._mlflow.end_run()
+
+
+TRACKERS: dict[str, type[Tracker]] = {
+    "jsonl": JsonlTracker,
+    "tensorboard": TensorBoardTracker,
+    "wandb": WandbTracker,
+    "mlflow": MlflowTracker,
+}
+"""The ``logging.trackers`` choices."""
+
+
+def check_trackers(trackers: Sequence[str]) -> None:
+    """Refuse an unknown, repeated or not-installed tracker in ``logging.trackers``.
+
+    "Installed" means the tracker's module imports: the check runs at validation,
+    before Ray starts, instead of the first step finding out.
+    """
+    first_at: dict[str, int] = {}
+    for i, name in enumerate(trackers):
+        key = f"logging.trackers[{i}]"
+        if name not in TRACKERS:
+            raise ConfigValidationError(key, f"expected one of {', '.join(TRACKERS)}, got {name!r}")
+        if name in first_at:
+            raise ConfigValidationError(
+                key,
+                f"expected each tracker once, got {name!r} again "
+                f"(also logging.trackers[{first_at[name]}])",
+            )
+        first_at[name] = i
+        module = TRACKERS[name].requires
+        if module is None:
+            continue
+        try:
+            importlib.import_module(module)
+        except ImportError as exc:
+            raise ConfigValidationError(
+                key,
+                f"expected an installed tracker (pip install 'skyrl-r3[{name}]'), "
+                f"got {name!r} ({exc})",
+            ) from exc
+
+
 class MetricsTracker:
-    """Appends ``{"step": n, **metrics}`` to ``<run_dir>/metrics.jsonl`` (when ``jsonl``).
+    """Every step's metrics to each tracker named in ``trackers`` (``TRACKERS``).
 
-    A run starting after ``start_step`` (0 for a fresh run, the checkpoint's step for a
-    resumed one) owns every later step: lines of steps > ``start_step`` that an earlier
-    run left in the folder are dropped first (``drop_steps_after``, an atomic rewrite),
-    so a run resumed into its own folder holds each step exactly once, and TensorBoard
-    is told to purge its events from ``start_step + 1`` on.
-
-    TensorBoard logging is optional: it is used when ``tensorboard`` imports, and
-    silently skipped otherwise, because the default install must stay small.
+    ``start_step`` is the step the run starts after (0 for a fresh run, the
+    checkpoint's step for a resumed one); each tracker drops or purges what an
+    earlier run logged after it.
     """
 
     def __init__(
         self,
         run_dir: str | Path,
         *,
-        jsonl: bool = True,
-        tensorboard: bool = True,
+        trackers: Sequence[str] = ("jsonl",),
         start_step: int = 0,
     ) -> None:
+        check_trackers(trackers)
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.path = self.run_dir / "metrics.jsonl"
-        self.jsonl = jsonl
-        if jsonl:
-            drop_steps_after(self.path, start_step)
-        self._writer: Any = None
-        if tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except ImportError:
-                self._writer = None
-            else:
-                self._writer = SummaryWriter(
-                    str(self.run_dir / "tensorboard"), purge_step=start_step + 1
-                )
+        self._trackers: list[Tracker] = []
+        try:
+            for name in trackers:
+                self._trackers.append(TRACKERS[name](self.run_dir, start_step=start_step))
+        except BaseException:
+            self.close()
+            raise
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
         clean = {k: _finite_or_none(v) for k, v in metrics.items()}
-        if self.jsonl:
-            with self.path.open("ab") as fh:
-                fh.write(orjson.dumps({"step": step, **clean}) + b"\n")
-        if self._writer is not None:
-            for key, value in clean.items():
-                if value is not None:
-                    self._writer.add_scalar(key, value, step)
+        for tracker in self._trackers:
+            tracker.log(step, clean)
 
     def close(self) -> None:
-        if self._writer is not None:
-            self._writer.close()
-            self._writer = None
+        """Close every tracker, even after one fails; then raise the first failure."""
+        trackers, self._trackers = self._trackers, []
+        failure: Exception | None = None
+        for tracker in trackers:
+            try:
+                tracker.close()
+            except Exception as exc:
+                failure = failure or exc
+        if failure is not None:
+            raise failure
 
 
 def drop_steps_after(path: str | Path, step: int) -> int:
@@ -133,6 +278,10 @@ def _finite_or_none(value: Any) -> float | None:
     # orjson refuses NaN/inf; a metric that could not be computed becomes null.
     value = float(value)
     return value if math.isfinite(value) else None
+
+
+def _present(metrics: Mapping[str, float | None]) -> dict[str, float]:
+    return {k: v for k, v in metrics.items() if v is not None}
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:

@@ -35,7 +35,7 @@ def tiny_fields(sizes: TinySizes, architectures: tuple[str, ...]) -> dict[str, A
         num_key_value_heads=sizes.num_kv_heads,
         # Not in every config's typed signature, but every family's attention reads it.
         head_dim=sizes.head_dim,
-        num_experts_per_tok=sizes.top_k,
+        num_experts_per_tok=sizes.num_experts_per_tok,
         max_position_embeddings=sizes.max_position_embeddings,
         initializer_range=sizes.initializer_range,
         tie_word_embeddings=False,
@@ -84,7 +84,7 @@ def common_fields(cfg: Any) -> dict[str, Any]:
         num_kv_heads=int(field(cfg, "num_key_value_heads", heads)),
         head_dim=int(field(cfg, "head_dim", hidden // heads)),
         num_experts=num_experts(cfg),
-        top_k=int(cfg.num_experts_per_tok),
+        num_experts_per_tok=int(cfg.num_experts_per_tok),
         rope_theta=float(rope.get("rope_theta", field(cfg, "rope_theta", 10000.0))),
         rms_norm_eps=float(cfg.rms_norm_eps),
         tie_word_embeddings=bool(field(cfg, "tie_word_embeddings", False)),

@@ -1,9 +1,10 @@
 """Megatron-core policy worker with Rollout Routing Replay (R3).
 
-Modules: ``cpu_compat`` (the CPU shim), ``settings`` (``trainer.policy.megatron_config``),
-``model`` (TransformerConfig + GPTModel from ``MoEArchitecture``), ``convert`` (weights
-both ways in the engine's HF layout), ``layout`` (left-padded batch -> contiguous rows),
-``replay`` (route checks and the RouterReplay driver), ``worker`` (the public worker).
+Modules: ``cpu_compat`` (the CPU shim), ``model`` (TransformerConfig + GPTModel from
+``MoEArchitecture`` and the ``trainer.policy.megatron_config`` node, which every part
+takes whole), ``convert`` (weights both ways in the engine's HF layout), ``layout``
+(left-padded batch -> contiguous rows), ``replay`` (route checks and the RouterReplay
+driver), ``worker`` (the public worker).
 """
 
 import warnings
@@ -15,7 +16,6 @@ warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine).*(not in
 warnings.filterwarnings("ignore", message=r"full scope is deprecated")
 
 from skyrl_train.workers.megatron.layout import shard_for_data_parallel_rank  # noqa: E402
-from skyrl_train.workers.megatron.settings import MegatronSettings  # noqa: E402
 from skyrl_train.workers.megatron.worker import (  # noqa: E402
     ForwardResult,
     MegatronPolicyWorker,
@@ -26,7 +26,6 @@ from skyrl_train.workers.megatron.worker import (  # noqa: E402
 __all__ = [
     "ForwardResult",
     "MegatronPolicyWorker",
-    "MegatronSettings",
     "OptimizerSettings",
     "TrainStepResult",
     "shard_for_data_parallel_rank",

@@ -35,9 +35,13 @@ import torch
 import torch.nn.functional as F
 
 from inference.models.architecture import MoEArchitecture
+from skyrl_train.config.schema import MegatronConfig
 from skyrl_train.errors import ConfigValidationError
 from skyrl_train.workers.megatron.cpu_compat import apply_cpu_compat, cpu_compat_needed
-from skyrl_train.workers.megatron.settings import MegatronSettings, refuse_replay_incompatible
+
+MEGATRON_CONFIG_KEY = "trainer.policy.megatron_config"
+"""Where the worker's ``MegatronConfig`` sits in the config; every message names it.
+The reference policy has no node of its own (it swaps its weights into this model)."""
 
 
 def moe_layer_pattern(arch: MoEArchitecture) -> list[int]:
@@ -46,8 +50,9 @@ def moe_layer_pattern(arch: MoEArchitecture) -> list[int]:
     return [1 if i in moe else 0 for i in range(arch.num_layers)]
 
 
-def transformer_config_kwargs(arch: MoEArchitecture, settings: MegatronSettings) -> dict[str, Any]:
-    """The TransformerConfig kwargs for ``arch``; the passthrough kwargs win."""
+def transformer_config_kwargs(arch: MoEArchitecture, mc: MegatronConfig) -> dict[str, Any]:
+    """The TransformerConfig kwargs for ``arch`` and the ``megatron_config`` node ``mc``;
+    the passthrough ``transformer_config_kwargs`` win."""
     base: dict[str, Any] = dict(
         num_layers=arch.num_layers,
         hidden_size=arch.hidden_size,
@@ -59,7 +64,7 @@ def transformer_config_kwargs(arch: MoEArchitecture, settings: MegatronSettings)
         moe_ffn_hidden_size=arch.moe_ffn_hidden_size,
         moe_layer_freq=moe_layer_pattern(arch),
         num_moe_experts=arch.num_experts,
-        moe_router_topk=arch.top_k,
+        moe_router_topk=arch.num_experts_per_tok,
         moe_router_pre_softmax=not arch.norm_topk_prob,
         moe_router_score_function="softmax",
         moe_router_load_balancing_type="none",
@@ -70,7 +75,7 @@ def transformer_config_kwargs(arch: MoEArchitecture, settings: MegatronSettings)
         moe_grouped_gemm=False,
         moe_router_fusion=False,
         moe_permute_fusion=False,
-        moe_enable_routing_replay=settings.moe_enable_routing_replay,
+        moe_enable_routing_replay=mc.moe_enable_routing_replay,
         normalization="RMSNorm",
         layernorm_epsilon=arch.rms_norm_eps,
         gated_linear_unit=True,
@@ -92,37 +97,74 @@ def transformer_config_kwargs(arch: MoEArchitecture, settings: MegatronSettings)
         persist_layer_norm=False,
         apply_rope_fusion=False,
         gradient_accumulation_fusion=False,
-        tensor_model_parallel_size=settings.tensor_model_parallel_size,
-        pipeline_model_parallel_size=settings.pipeline_model_parallel_size,
-        virtual_pipeline_model_parallel_size=settings.virtual_pipeline_model_parallel_size,
-        expert_model_parallel_size=settings.expert_model_parallel_size,
-        context_parallel_size=settings.context_parallel_size,
+        tensor_model_parallel_size=mc.tensor_model_parallel_size,
+        pipeline_model_parallel_size=mc.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=mc.virtual_pipeline_model_parallel_size,
+        expert_model_parallel_size=mc.expert_model_parallel_size,
+        context_parallel_size=mc.context_parallel_size,
     )
-    base.update(settings.transformer_config_kwargs)
+    if mc.expert_tensor_parallel_size is not None:  # None: TransformerConfig's default (= TP)
+        base["expert_tensor_parallel_size"] = mc.expert_tensor_parallel_size
+    base.update(mc.transformer_config_kwargs)
     return base
 
 
-def build_transformer_config(arch: MoEArchitecture, settings: MegatronSettings) -> Any:
+def build_transformer_config(arch: MoEArchitecture, mc: MegatronConfig) -> Any:
     """The resolved TransformerConfig; replay compatibility is checked before and after
     construction (a pipeline layout can imply VPP only once the config resolves it)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    if arch.qk_norm == "full" and settings.tensor_model_parallel_size != 1:
+    if arch.qk_norm == "full" and mc.tensor_model_parallel_size != 1:
         # Each TP rank holds a slice of the heads; a norm over the whole projection
         # would need the other ranks' sums of squares, which nothing here reduces.
         raise ConfigValidationError(
-            f"{settings.key}.tensor_model_parallel_size",
+            f"{MEGATRON_CONFIG_KEY}.tensor_model_parallel_size",
             f"expected 1 for a {arch.family} model (q/k RMSNorm over the whole "
-            f"projection), got {settings.tensor_model_parallel_size}",
+            f"projection), got {mc.tensor_model_parallel_size}",
         )
-    kwargs = transformer_config_kwargs(arch, settings)
-    refuse_replay_incompatible(settings, SimpleNamespace(**kwargs))
+    kwargs = transformer_config_kwargs(arch, mc)
+    refuse_replay_incompatible(mc, SimpleNamespace(**kwargs))
     config = TransformerConfig(**kwargs)
-    refuse_replay_incompatible(settings, config)
+    refuse_replay_incompatible(mc, config)
     return config
 
 
-def refuse_unsupported_on_cpu(settings: MegatronSettings) -> None:
+def refuse_replay_incompatible(mc: MegatronConfig, resolved: Any) -> None:
+    """Raise ConfigValidationError if replay is on and the resolved config defeats it.
+
+    Launch validation (``validate_cfg``) saw only the YAML; a passthrough kwarg or a
+    pipeline layout can set ``virtual_pipeline_model_parallel_size`` after it ran, so
+    its rules are applied again to ``resolved`` (the built TransformerConfig, or the
+    kwargs about to build it), naming the key the offending value came from.
+    """
+    from skyrl_train.config.validate import refuse_replay_incompatible as refuse
+
+    if not mc.moe_enable_routing_replay:
+        return
+    kw_key = f"{MEGATRON_CONFIG_KEY}.transformer_config_kwargs"
+    vpp_from_top_level = bool(mc.virtual_pipeline_model_parallel_size) and not (
+        mc.transformer_config_kwargs.get("virtual_pipeline_model_parallel_size")
+    )
+    refuse(
+        {
+            "virtual_pipeline_model_parallel_size": getattr(
+                resolved, "virtual_pipeline_model_parallel_size", None
+            )
+        },
+        key_prefix=MEGATRON_CONFIG_KEY if vpp_from_top_level else kw_key,
+    )
+    refuse(
+        {
+            "moe_router_fusion": getattr(resolved, "moe_router_fusion", False),
+            "moe_router_load_balancing_type": getattr(
+                resolved, "moe_router_load_balancing_type", None
+            ),
+        },
+        key_prefix=kw_key,
+    )
+
+
+def refuse_unsupported_on_cpu(mc: MegatronConfig) -> None:
     """The CPU path has no pipeline schedules and no sequence parallelism (which MoE
     with TP>1 needs); only data and expert parallelism run here."""
     if not cpu_compat_needed():
@@ -132,11 +174,11 @@ def refuse_unsupported_on_cpu(settings: MegatronSettings) -> None:
         "pipeline_model_parallel_size",
         "context_parallel_size",
     ):
-        if getattr(settings, name) != 1:
+        if getattr(mc, name) != 1:
             raise ConfigValidationError(
-                f"{settings.key}.{name}",
+                f"{MEGATRON_CONFIG_KEY}.{name}",
                 f"expected 1 on CPU (only data and expert parallelism run without CUDA), "
-                f"got {getattr(settings, name)}",
+                f"got {getattr(mc, name)}",
             )
 
 
@@ -157,8 +199,8 @@ def init_distributed(*, rank: int, world_size: int, init_method: str) -> None:
         dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size)
 
 
-def init_parallel_state(settings: MegatronSettings, *, seed: int) -> None:
-    """Initialise torch.distributed (gloo on CPU) and Megatron's parallel groups.
+def init_parallel_state(mc: MegatronConfig, *, seed: int) -> None:
+    """Initialise torch.distributed (gloo on CPU) and Megatron's parallel groups of ``mc``.
 
     A process with no process group yet gets a world of one on an in-process store;
     with WORLD_SIZE > 1 it joins via env:// (MASTER_ADDR/MASTER_PORT/RANK), or the
@@ -176,22 +218,21 @@ def init_parallel_state(settings: MegatronSettings, *, seed: int) -> None:
         )
     if parallel_state.model_parallel_is_initialized():
         same = (
-            parallel_state.get_tensor_model_parallel_world_size()
-            == settings.tensor_model_parallel_size
+            parallel_state.get_tensor_model_parallel_world_size() == mc.tensor_model_parallel_size
             and parallel_state.get_pipeline_model_parallel_world_size()
-            == settings.pipeline_model_parallel_size
+            == mc.pipeline_model_parallel_size
             and parallel_state.get_expert_model_parallel_world_size()
-            == settings.expert_model_parallel_size
+            == mc.expert_model_parallel_size
         )
         if not same:
             parallel_state.destroy_model_parallel()
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(
-            tensor_model_parallel_size=settings.tensor_model_parallel_size,
-            pipeline_model_parallel_size=settings.pipeline_model_parallel_size,
-            virtual_pipeline_model_parallel_size=settings.virtual_pipeline_model_parallel_size,
-            context_parallel_size=settings.context_parallel_size,
-            expert_model_parallel_size=settings.expert_model_parallel_size,
+            tensor_model_parallel_size=mc.tensor_model_parallel_size,
+            pipeline_model_parallel_size=mc.pipeline_model_parallel_size,
+            virtual_pipeline_model_parallel_size=mc.virtual_pipeline_model_parallel_size,
+            context_parallel_size=mc.context_parallel_size,
+            expert_model_parallel_size=mc.expert_model_parallel_size,
         )
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
 

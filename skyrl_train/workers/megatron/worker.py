@@ -22,6 +22,8 @@ import torch
 
 from inference.models.architecture import MoEArchitecture
 from skyrl_train.algorithms.mismatch import RouterAgreement, router_agreement
+from skyrl_train.config.constraints import check_constraints
+from skyrl_train.config.schema import MegatronConfig
 from skyrl_train.dataset.batch import TrainingBatch
 from skyrl_train.errors import ConfigValidationError, RouteReplayError
 from skyrl_train.workers.megatron import convert, replay
@@ -32,17 +34,18 @@ from skyrl_train.workers.megatron.layout import (
     make_contiguous,
     response_logprobs,
     response_logprobs_and_entropy,
+    route_filler_tensor,
     shift_rows,
     slice_batch,
 )
 from skyrl_train.workers.megatron.model import (
+    MEGATRON_CONFIG_KEY,
     build_gpt_model,
     build_transformer_config,
     causal_attention_mask,
     init_parallel_state,
     refuse_unsupported_on_cpu,
 )
-from skyrl_train.workers.megatron.settings import DEFAULT_KEY, MegatronSettings
 
 LossFn = Callable[[torch.Tensor, TrainingBatch], torch.Tensor]
 """``loss_fn(logprobs [b, R], microbatch) -> scalar``."""
@@ -91,25 +94,23 @@ class TrainStepResult:
 
 
 class MegatronPolicyWorker:
-    """One rank's policy model. Build with the checkpoint's architecture and the Megatron
-    settings, then ``setup()``. Routes are ``[B, S, L_moe, K]``: MoE layers only."""
+    """One rank's policy model. Build with the checkpoint's architecture and the
+    ``trainer.policy.megatron_config`` node, then ``setup()``. Routes are
+    ``[B, S, L_moe, K]``: MoE layers only."""
 
     def __init__(
         self,
         architecture: MoEArchitecture,
-        megatron_config: Mapping[str, Any] | MegatronSettings,
+        megatron_config: MegatronConfig,
         *,
         optimizer: OptimizerSettings | None = None,
         seed: int = 0,
-        config_key: str = DEFAULT_KEY,
         pad_token_id: int = 0,
     ) -> None:
+        # A node built in Python skipped Hydra and validate_cfg: refuse a bad one here.
+        check_constraints(megatron_config, prefix=MEGATRON_CONFIG_KEY)
         self.architecture = architecture
-        self.settings = (
-            megatron_config
-            if isinstance(megatron_config, MegatronSettings)
-            else MegatronSettings.from_mapping(megatron_config, key=config_key)
-        )
+        self.megatron_config = megatron_config
         self.optimizer_settings = optimizer or OptimizerSettings()
         self.seed = seed
         self.pad_token_id = pad_token_id
@@ -123,16 +124,16 @@ class MegatronPolicyWorker:
         """Resolve the Megatron config (refusing VPP etc. with replay), initialise
         parallel state, build the model and the optimizer."""
         apply_cpu_compat()
-        config = build_transformer_config(self.architecture, self.settings)
-        refuse_unsupported_on_cpu(self.settings)
-        init_parallel_state(self.settings, seed=self.seed)
+        config = build_transformer_config(self.architecture, self.megatron_config)
+        refuse_unsupported_on_cpu(self.megatron_config)
+        init_parallel_state(self.megatron_config, seed=self.seed)
         self.model = build_gpt_model(self.architecture, config, seed=self.seed)
         self.routers = replay.local_routers(self.model)
         if self.routers.moe_layers != self.architecture.moe_layers:
             # The engine's routes cover the checkpoint's MoE layers; a passthrough
             # moe_layer_freq that builds others would replay them into the wrong layers.
             raise ConfigValidationError(
-                f"{self.settings.key}.transformer_config_kwargs.moe_layer_freq",
+                f"{MEGATRON_CONFIG_KEY}.transformer_config_kwargs.moe_layer_freq",
                 f"expected MoE layers {list(self.architecture.moe_layers)} (the "
                 f"checkpoint's), got {list(self.routers.moe_layers)}",
             )
@@ -382,7 +383,7 @@ class MegatronPolicyWorker:
         routers = self._require_routers()
         if replay_routes is None:
             replay_routes = (
-                self.settings.moe_enable_routing_replay and batch.routed_experts is not None
+                self.megatron_config.moe_enable_routing_replay and batch.routed_experts is not None
             )
         if not replay_routes:
             return False
@@ -390,7 +391,7 @@ class MegatronPolicyWorker:
             raise RouteReplayError("routed_experts: expected routes to replay, got None")
         if not routers.replay_enabled:
             raise RouteReplayError(
-                f"{self.settings.key}.moe_enable_routing_replay: expected True to replay "
+                f"{MEGATRON_CONFIG_KEY}.moe_enable_routing_replay: expected True to replay "
                 f"routes, got False"
             )
         replay.validate_routes(
@@ -461,7 +462,7 @@ class MegatronPolicyWorker:
         return logprobs.cpu(), ent.cpu(), routes
 
     def _to_batch_layout(self, routes: torch.Tensor, layout: ContiguousBatch) -> torch.Tensor:
-        filler = torch.arange(routes.shape[-1], dtype=routes.dtype)
+        filler = route_filler_tensor(routes)
         return shift_rows(routes, -layout.shifts, filler)
 
     def _sync_gradients(self) -> None:

@@ -289,7 +289,7 @@ def test_malformed_envelope_is_a_protocol_error_never_retried() -> None:
     choice["routed_experts"] = envelope
     result, attempts = scenario([reply({"choices": [choice]}), ok], return_routed_experts=True)
     assert isinstance(result, GenerateProtocolError) and attempts == 1
-    assert result.field == "$.choices[0].routed_experts.dtype"
+    assert result.path == "$.choices[0].routed_experts.dtype"
     assert "uint8" in result.expected and result.got == "int16"
 
 
@@ -302,13 +302,13 @@ def test_route_rows_that_ignore_the_prompt_start_are_a_protocol_error() -> None:
         [reply({"choices": [choice]})], return_routed_experts=True, routed_experts_prompt_start=2
     )
     assert isinstance(result, GenerateProtocolError) and attempts == 1
-    assert result.field == "$.choices[0].routed_experts.shape[0]" and result.got == 4
+    assert result.path == "$.choices[0].routed_experts.shape[0]" and result.got == 4
 
 
 def test_missing_requested_envelope_is_a_protocol_error() -> None:
     result, attempts = scenario([ok], return_routed_experts=True)
     assert isinstance(result, GenerateProtocolError) and attempts == 1
-    assert result.field == "$.choices[0].routed_experts"
+    assert result.path == "$.choices[0].routed_experts"
 
 
 @pytest.mark.parametrize(
@@ -327,7 +327,7 @@ def test_missing_requested_envelope_is_a_protocol_error() -> None:
 def test_malformed_plain_reply_is_a_protocol_error(body: object, field: str) -> None:
     result, attempts = scenario([reply(body), ok])
     assert isinstance(result, GenerateProtocolError) and attempts == 1
-    assert result.field == field
+    assert result.path == field
 
 
 def test_connection_refused_is_retried_then_raised() -> None:

@@ -87,7 +87,7 @@ def test_huge_garbage_reply_is_cut_at_the_cap_without_buffering_it(
     finally:
         tracemalloc.stop()
     assert isinstance(result, ReplyTooLarge) and attempts == 1  # never retried
-    assert result.cap == cap and result.field == "$"
+    assert result.cap == cap and result.path == "$"
     assert f"at most {cap} bytes" in str(result) and str(result.received) in str(result)
     if content_length is None:
         assert not result.declared and cap < result.received <= cap + (64 << 10)
@@ -280,7 +280,7 @@ def test_a_passed_route_shape_skips_health() -> None:
 )
 def test_health_without_a_route_shape_is_a_protocol_error(document: dict, field: str) -> None:
     result, attempts = _generate_routes_against_health(document)
-    assert isinstance(result, GenerateProtocolError) and result.field == field
+    assert isinstance(result, GenerateProtocolError) and result.path == field
     assert attempts == 0  # no generate was sent without a cap
 
 

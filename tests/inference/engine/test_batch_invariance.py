@@ -152,7 +152,7 @@ def test_engine_reports_batch_invariance(bf16_engine) -> None:
 
 def test_concurrent_callers_get_their_alone_outputs(bf16_engine) -> None:
     """The server's path: whatever the 5 ms window gathers, each caller gets its own."""
-    engine = HFMoEEngine.from_config(seed=0, batch_window_s=0.02, num_threads=None)
+    engine = HFMoEEngine.from_config(seed=0, batch_window_ms=20.0, num_threads=None)
     reqs = _requests(1.0) + _others(6)
     alone = [bf16_engine.generate_sync([r])[0] for r in reqs]
 

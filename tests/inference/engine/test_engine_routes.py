@@ -23,7 +23,7 @@ def _reference_routes(engine, tokens: list[int]) -> np.ndarray:
     per_layer = []
     for logits in out.router_logits:
         probs = torch.softmax(logits.float(), dim=-1)
-        per_layer.append(torch.topk(probs, cfg.top_k, dim=-1).indices)
+        per_layer.append(torch.topk(probs, cfg.num_experts_per_tok, dim=-1).indices)
     return torch.stack(per_layer, dim=1).numpy()  # [S, L, K]
 
 

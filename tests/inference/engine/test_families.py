@@ -76,7 +76,10 @@ def test_generates_with_routes_for_moe_layers_only(tiny_checkpoints, family) -> 
         assert engine.info.dtype == "bfloat16" and engine.info.batch_invariant
         # /health reports this: the route tensor's layer axis, MoE layers only.
         assert engine.info.num_layers == arch.num_moe_layers == len(engine.capture.gates)
-        assert (engine.info.num_experts, engine.info.top_k) == (arch.num_experts, arch.top_k)
+        assert (engine.info.num_experts, engine.info.top_k) == (
+            arch.num_experts,
+            arch.num_experts_per_tok,
+        )
         assert engine.eos_token_ids == (2, 0) and engine.pad_token_id == 0
         req = EngineRequest(
             list(range(10, 22)),
@@ -89,9 +92,12 @@ def test_generates_with_routes_for_moe_layers_only(tiny_checkpoints, family) -> 
         assert g == 5 and out.finish_reason == "length"
         routes = out.routed_experts
         assert routes is not None and routes.dtype == np.uint8
-        assert routes.shape == (12 - 2 + g - 1, arch.num_moe_layers, arch.top_k)
+        assert routes.shape == (12 - 2 + g - 1, arch.num_moe_layers, arch.num_experts_per_tok)
         assert int(routes.max()) < arch.num_experts
-        assert all(len(set(row)) == arch.top_k for row in routes.reshape(-1, arch.top_k).tolist())
+        assert all(
+            len(set(row)) == arch.num_experts_per_tok
+            for row in routes.reshape(-1, arch.num_experts_per_tok).tolist()
+        )
     finally:
         _close(engine)
 

@@ -58,5 +58,5 @@ def test_the_engine_samples_at_the_limits(fp32_engine, temperature: float) -> No
 def test_the_engine_refuses_with_the_same_rule(fp32_engine, value: float) -> None:
     with pytest.raises(RequestValidationError) as info:
         fp32_engine.generate_sync([EngineRequest([1], SamplingParams(temperature=value))])
-    assert info.value.field == "requests[0].sampling.temperature"
+    assert info.value.path == "requests[0].sampling.temperature"
     assert info.value.expected == TEMPERATURE_RULE

@@ -71,7 +71,7 @@ def test_save_and_load_checkpoint_roundtrip(fp32_engine, tmp_path) -> None:
 
 
 def test_concurrent_callers_share_batches_with_unchanged_results() -> None:
-    engine = HFMoEEngine.from_config(seed=0, dtype="float32", batch_window_s=0.02)
+    engine = HFMoEEngine.from_config(seed=0, dtype="float32", batch_window_ms=20.0)
     batch_sizes: list[int] = []
     run = engine._run
 

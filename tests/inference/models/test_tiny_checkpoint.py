@@ -58,7 +58,7 @@ def test_written_checkpoint_is_inspectable(tiny_checkpoints, family: str) -> Non
     arch = info.architecture
     assert info.family.name == arch.family == family
     assert (arch.vocab_size, arch.hidden_size, arch.num_layers) == (512, 48, 3)
-    assert (arch.num_experts, arch.top_k, arch.moe_ffn_hidden_size) == (6, 3, 32)
+    assert (arch.num_experts, arch.num_experts_per_tok, arch.moe_ffn_hidden_size) == (6, 3, 32)
     # Qwen families take a dense first layer; OLMoE and Mixtral have none.
     dense = (0,) if family in ("qwen3_moe", "qwen2_moe") else ()
     assert arch.dense_layers == dense

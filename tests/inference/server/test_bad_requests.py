@@ -95,7 +95,13 @@ CASES: list[tuple[str, str, Any, int, str]] = [
         "$.sampling_params.top_p: expected a number in (0, 1]",
     ),
     ("top-p-above-one", GEN, body_with(sp_top_p=1.5), 400, "$.sampling_params.top_p"),
-    ("top-k-zero", GEN, body_with(sp_top_k=0), 400, "$.sampling_params.top_k: expected -1 (off)"),
+    (
+        "top-k-zero",
+        GEN,
+        body_with(sp_top_k=0),
+        400,
+        "$.sampling_params.top_k: expected -1 (no cut) or an int >= 1, got 0",
+    ),
     ("seed-negative", GEN, body_with(sp_seed=-3), 400, "$.sampling_params.seed"),
     (
         "stop-id-out-of-vocab",

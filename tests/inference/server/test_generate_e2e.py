@@ -50,11 +50,16 @@ def test_route_rows_dtype_and_prompt_start_through_http(live_server) -> None:
         routes = result.routed_experts
         assert routes is not None and result.response_ids == full.response_ids
         # P - s + G - 1 rows: the last sampled token was never fed.
-        assert routes.shape == (len(PROMPT) - start + g - 1, config.num_layers, config.top_k)
+        assert routes.shape == (
+            len(PROMPT) - start + g - 1,
+            config.num_layers,
+            config.num_experts_per_tok,
+        )
         assert routes.dtype == route_dtype_for(int(routes.max())) == np.uint8
         assert int(routes.max()) < config.num_experts
         assert all(
-            len(set(row)) == config.top_k for row in routes.reshape(-1, config.top_k).tolist()
+            len(set(row)) == config.num_experts_per_tok
+            for row in routes.reshape(-1, config.num_experts_per_tok).tolist()
         )
         # The start is honoured: the rows are exactly the tail of the full prefix's rows.
         np.testing.assert_array_equal(routes, full.routed_experts[start:])

@@ -164,7 +164,7 @@ def test_reordered_envelope_is_an_error() -> None:
     raw = orjson.dumps({"choices": [_choice(0), {"routed_experts": reordered}]})
     with pytest.raises(WireError) as info:
         load_packed_body(raw)
-    assert info.value.field == "$.choices[1].routed_experts"
+    assert info.value.path == "$.choices[1].routed_experts"
     assert 'first key is "data"' in str(info.value)
     # an empty reordered envelope too: its "" data is not mistaken for a spliced one
     empty = {"shape": [0, 3, 2], "dtype": "uint8", "data": ""}

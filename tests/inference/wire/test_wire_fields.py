@@ -89,7 +89,7 @@ def test_negative_ids_beside_a_large_max_are_refused(dtype: str, negative: int |
     env = pack_ndarray(routes, allowed_dtypes=[dtype])
     with pytest.raises(WireError, match=f"non-negative expert ids, got {low}") as err:
         decode_packed_routed_experts(env, path="$.choices[1].routed_experts")
-    assert err.value.field == "$.choices[1].routed_experts"
+    assert err.value.path == "$.choices[1].routed_experts"
     with pytest.raises(WireError, match=f"non-negative expert ids, got {low}"):
         pack_routed_experts(routes.astype(np.int64))
 
@@ -112,7 +112,7 @@ def test_non_canonical_declared_dtype_is_refused() -> None:
     wide = pack_ndarray(np.full((2, 1, 1), 7, dtype=np.int32), allowed_dtypes=["int32"])
     with pytest.raises(WireError) as info:
         decode_packed_routed_experts(wide, path="$.choices[3].routed_experts")
-    assert info.value.field == "$.choices[3].routed_experts.dtype"
+    assert info.value.path == "$.choices[3].routed_experts.dtype"
     assert "canonical uint8 for max id 7" in str(info.value)
     empty = pack_ndarray(np.zeros((0, 2, 2), dtype=np.int16), allowed_dtypes=["int16"])
     with pytest.raises(WireError, match="canonical uint8"):
@@ -214,13 +214,13 @@ def test_higher_rank_envelopes_are_refused() -> None:
     routes = pack_ndarray(np.ones((4, 3, 2, 1), np.uint8), allowed_dtypes=["uint8"])
     with pytest.raises(WireError) as info:
         decode_packed_routed_experts(routes, path="$.choices[2].routed_experts")
-    assert info.value.field == "$.choices[2].routed_experts.shape"
+    assert info.value.path == "$.choices[2].routed_experts.shape"
     assert "expected 3 dims, got [4, 3, 2, 1]" in str(info.value)
     ids = pack_ndarray(np.ones((4, 3, 1), np.int32), allowed_dtypes=["int32"])
     lps = pack_ndarray(np.zeros((4, 3, 1), np.float32), allowed_dtypes=["float32"])
     with pytest.raises(WireError) as info:
         decode_packed_sample_support(ids, lps, path="$.choices[1]")
-    assert info.value.field == "$.choices[1].rollout_sample_support.shape"
+    assert info.value.path == "$.choices[1].rollout_sample_support.shape"
     with pytest.raises(WireError) as info:
         decode_packed_fields({"rollout_sample_support_logprobs": lps}, path="$.choices[0]")
-    assert info.value.field == "$.choices[0].rollout_sample_support_logprobs.shape"
+    assert info.value.path == "$.choices[0].rollout_sample_support_logprobs.shape"

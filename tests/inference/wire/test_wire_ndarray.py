@@ -99,7 +99,7 @@ def _env(**over: object) -> dict[str, object]:
 def test_bad_envelopes_name_the_field(over: dict, field: str, pattern: str) -> None:
     with pytest.raises(WireError) as info:
         unpack_ndarray(_env(**over), allowed_dtypes=["int32"], ndim=2, path="$.choices[3].x")
-    assert info.value.field == f"$.choices[3].x.{field}"
+    assert info.value.path == f"$.choices[3].x.{field}"
     assert pattern in str(info.value)
     assert str(info.value).startswith(f"$.choices[3].x.{field}: expected ")
 
@@ -120,7 +120,7 @@ def test_higher_rank_than_declared_is_refused(shape: list[int]) -> None:
     # Same element count, so the byte check passes: only the rank check can refuse it.
     with pytest.raises(WireError) as info:
         unpack_ndarray(_env(shape=shape), allowed_dtypes=["int32"], ndim=2, path="$.x")
-    assert info.value.field == "$.x.shape"
+    assert info.value.path == "$.x.shape"
     assert f"expected 2 dims, got {shape}" in str(info.value)
 
 
@@ -130,5 +130,5 @@ def test_too_many_bytes_is_a_wire_error(shape: list[int], need: int) -> None:
     # bare "cannot reshape" ValueError.
     with pytest.raises(WireError) as info:
         unpack_ndarray(_env(shape=shape), allowed_dtypes=["int32"], ndim=2, path="$.x")
-    assert info.value.field == "$.x.data"
+    assert info.value.path == "$.x.data"
     assert f"expected {need} bytes for shape {shape} int32, got '24 bytes'" in str(info.value)

@@ -13,7 +13,7 @@ from inference.models.architecture import TinySizes
 from inference.models.families import FAMILIES, SUPPORTED_ARCHITECTURES
 from inference.models.tiny_moe import TinyMoEConfig
 from inference.models.tokenizer import save_byte_tokenizer
-from skyrl_train.config.loader import load_config
+from skyrl_train.config.compose import load_config
 from skyrl_train.config.model_source import (
     model_architecture,
     model_checkpoint,
@@ -54,7 +54,12 @@ def test_a_checkpoint_folder_gives_the_architecture_from_its_config(tmp_path: Pa
     cfg = load_config([f"model.path={folder}"])
     validate_cfg(cfg)
     arch = model_architecture(cfg.model)
-    assert (arch.family, arch.hidden_size, arch.num_experts, arch.top_k) == ("qwen3_moe", 48, 6, 3)
+    assert (arch.family, arch.hidden_size, arch.num_experts, arch.num_experts_per_tok) == (
+        "qwen3_moe",
+        48,
+        6,
+        3,
+    )
     assert arch.moe_layers == (1, 2) and arch.num_moe_layers == 2  # layer 0 is dense
     info = model_checkpoint_info(cfg.model)
     assert info is not None and info.eos_token_ids == (256,) and info.tokenizer_size == 264
@@ -76,7 +81,7 @@ def test_an_unsupported_architecture_is_refused_naming_it_and_the_supported(
         num_key_value_heads=2,
     )
     err = _refusal(_save(dense, tmp_path / "llama"))
-    assert err.key == "model.path"
+    assert err.path == "model.path"
     assert "config.json:architectures" in err.reason and "LlamaForCausalLM" in err.reason
     for supported in SUPPORTED_ARCHITECTURES:
         assert supported in err.reason
@@ -94,12 +99,12 @@ def test_a_missing_file_is_refused_naming_it(tmp_path: Path, missing: str, fragm
     else:
         (folder / missing).unlink()
     err = _refusal(folder)
-    assert err.key == "model.path" and fragment in err.reason and str(folder) in err.reason
+    assert err.path == "model.path" and fragment in err.reason and str(folder) in err.reason
 
 
 def test_a_folder_that_does_not_exist_is_refused(tmp_path: Path) -> None:
     err = _refusal(tmp_path / "nowhere")
-    assert err.key == "model.path" and "existing checkpoint folder" in err.reason
+    assert err.path == "model.path" and "existing checkpoint folder" in err.reason
 
 
 def test_a_vocab_smaller_than_the_tokenizer_is_refused(tmp_path: Path) -> None:
@@ -110,7 +115,7 @@ def test_a_vocab_smaller_than_the_tokenizer_is_refused(tmp_path: Path) -> None:
 
 
 def test_more_experts_than_the_route_dtype_holds_is_refused(tmp_path: Path) -> None:
-    huge = _qwen3(num_experts=2**31 + 1, top_k=2)
+    huge = _qwen3(num_experts=2**31 + 1, num_experts_per_tok=2)
     folder = _save(huge, tmp_path / "ckpt", weights=False)
     (folder / "model.safetensors").write_bytes(b"")  # never read: refused before weights
     err = _refusal(folder)
@@ -129,8 +134,8 @@ def test_a_config_the_family_cannot_map_is_refused_naming_the_field(tmp_path: Pa
 
 def test_builtin_architecture_keys_with_a_path_are_refused(tmp_path: Path) -> None:
     folder = _save(_qwen3(), tmp_path / "ckpt")
-    err = _refusal(folder, "model.hidden_size=96")
-    assert err.key == "model.hidden_size"
+    err = _refusal(folder, "model.builtin.hidden_size=96")
+    assert err.path == "model.builtin.hidden_size"
     assert "built-in model only" in err.reason and "got 96" in err.reason
 
 
@@ -148,7 +153,9 @@ def test_the_builtin_model_is_written_once_as_a_checkpoint_keyed_by_config_and_s
     assert model_checkpoint(cfg.model) == first  # reused, not rewritten
     assert (first / "model.safetensors").stat().st_mtime_ns == stamp
     reseeded = model_checkpoint(load_config([f"model.cache_dir={cache}", "model.seed=1"]).model)
-    resized = model_checkpoint(load_config([f"model.cache_dir={cache}", "model.top_k=3"]).model)
+    resized = model_checkpoint(
+        load_config([f"model.cache_dir={cache}", "model.builtin.num_experts_per_tok=3"]).model
+    )
     assert len({first, reseeded, resized}) == 3
     # Loaded back like any checkpoint, it describes exactly the built-in config.
     loaded = model_architecture(load_config([f"model.path={first}"]).model)
@@ -157,5 +164,5 @@ def test_the_builtin_model_is_written_once_as_a_checkpoint_keyed_by_config_and_s
 
 def test_builtin_vocab_smaller_than_the_byte_tokenizer_is_refused() -> None:
     with pytest.raises(ConfigValidationError) as info:
-        validate_cfg(load_config(["model.vocab_size=200"]))
-    assert info.value.key == "model.vocab_size" and "264" in info.value.reason
+        validate_cfg(load_config(["model.builtin.vocab_size=200"]))
+    assert info.value.path == "model.builtin.vocab_size" and "264" in info.value.reason

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 import pytest
@@ -18,7 +17,7 @@ def _refusal(overrides: list[str]) -> ConfigValidationError:
     cfg = load_config(overrides)
     with pytest.raises(ConfigValidationError) as info:
         validate_cfg(cfg)
-    assert str(info.value).startswith(info.value.key + ": ")
+    assert str(info.value).startswith(info.value.path + ": ")
     return info.value
 
 
@@ -51,7 +50,7 @@ def test_replay_refuses_truthy_vpp(vpp: int) -> None:
             f"{POLICY}.virtual_pipeline_model_parallel_size={vpp}",
         ]
     )
-    assert err.key == f"{POLICY}.virtual_pipeline_model_parallel_size"
+    assert err.path == f"{POLICY}.virtual_pipeline_model_parallel_size"
     assert "routing replay" in err.reason and "stale" in err.reason
 
 
@@ -70,26 +69,26 @@ def test_same_vpp_without_replay_is_valid() -> None:
 
 def test_replay_refuses_vpp_hidden_in_transformer_kwargs() -> None:
     err = _refusal([f"+{POLICY}.{KW}.virtual_pipeline_model_parallel_size=2"])
-    assert err.key == f"{POLICY}.{KW}.virtual_pipeline_model_parallel_size"
+    assert err.path == f"{POLICY}.{KW}.virtual_pipeline_model_parallel_size"
     assert "routing replay" in err.reason
 
 
 def test_replay_refuses_router_fusion() -> None:
     err = _refusal([f"+{POLICY}.{KW}.moe_router_fusion=true"])
-    assert err.key == f"{POLICY}.{KW}.moe_router_fusion"
+    assert err.path == f"{POLICY}.{KW}.moe_router_fusion"
     assert "bypasses RouterReplay" in err.reason
 
 
 @pytest.mark.parametrize("value", ["sinkhorn", "[aux_loss,sinkhorn]"])
 def test_replay_refuses_sinkhorn(value: str) -> None:
     err = _refusal([f"+{POLICY}.{KW}.moe_router_load_balancing_type={value}"])
-    assert err.key == f"{POLICY}.{KW}.moe_router_load_balancing_type"
+    assert err.path == f"{POLICY}.{KW}.moe_router_load_balancing_type"
     assert "sinkhorn" in err.reason
 
 
 def test_replay_refuses_missing_routes() -> None:
     err = _refusal(["generator.inference_engine.enable_return_routed_experts=false"])
-    assert err.key == f"{POLICY}.moe_enable_routing_replay"
+    assert err.path == f"{POLICY}.moe_enable_routing_replay"
     assert "generator.inference_engine.enable_return_routed_experts" in err.reason
     assert "routing_replay_source=old_policy" in err.reason  # names the way out
 
@@ -109,7 +108,7 @@ def test_the_reference_has_no_megatron_settings_of_its_own() -> None:
     # It swaps its weights into the policy's model, so a second layout would be a lie.
     with pytest.raises(ConfigValidationError) as info:
         load_config(["trainer.ref.megatron_config.context_parallel_size=1"])
-    assert info.value.key.startswith("trainer.ref.megatron_config")
+    assert info.value.path.startswith("trainer.ref.megatron_config")
     validate_cfg(load_config(["trainer.algorithm.use_kl_loss=true", "trainer.ref.log_kl=false"]))
 
 
@@ -121,7 +120,7 @@ def test_refuse_replay_incompatible_for_resolved_worker_settings() -> None:
     )  # fmt: skip
     with pytest.raises(ConfigValidationError) as info:
         refuse_replay_incompatible({"virtual_pipeline_model_parallel_size": 4}, key_prefix=POLICY)
-    assert info.value.key == f"{POLICY}.virtual_pipeline_model_parallel_size"
+    assert info.value.path == f"{POLICY}.virtual_pipeline_model_parallel_size"
 
 
 # ---------------------------------------------------------- transformer kwargs
@@ -130,7 +129,7 @@ def test_refuse_replay_incompatible_for_resolved_worker_settings() -> None:
 def test_transformer_kwargs_must_be_transformer_config_fields() -> None:
     validate_cfg(load_config([f"+{POLICY}.{KW}.moe_aux_loss_coeff=0.01"]))
     err = _refusal([f"+{POLICY}.{KW}.not_a_megatron_field=1"])
-    assert err.key == f"{POLICY}.{KW}.not_a_megatron_field"
+    assert err.path == f"{POLICY}.{KW}.not_a_megatron_field"
     assert "TransformerConfig" in err.reason
 
 
@@ -138,13 +137,13 @@ def test_transformer_kwargs_must_be_transformer_config_fields() -> None:
     ("name", "where"),
     [
         ("tensor_model_parallel_size", f"{POLICY}.tensor_model_parallel_size"),
-        ("num_layers", "model.num_layers"),
-        ("num_moe_experts", "model.num_experts"),
+        ("num_layers", "model.builtin.num_layers"),
+        ("num_moe_experts", "model.builtin.num_experts"),
     ],
 )
 def test_transformer_kwargs_cannot_override_owned_keys(name: str, where: str) -> None:
     err = _refusal([f"+{POLICY}.{KW}.{name}=2"])
-    assert err.key == f"{POLICY}.{KW}.{name}"
+    assert err.path == f"{POLICY}.{KW}.{name}"
     assert where in err.reason
 
 
@@ -168,25 +167,23 @@ def test_transformer_kwargs_cannot_override_owned_keys(name: str, where: str) ->
         (["generator.n_samples_per_prompt=1"], "generator.n_samples_per_prompt", "no baseline"),
         (["generator.n_samples_per_prompt=1", "trainer.algorithm.advantage_estimator=rloo"], "generator.n_samples_per_prompt", "advantage_estimator 'rloo'"),
         (["trainer.algorithm.policy_loss_type=gspo", "trainer.algorithm.clip_ratio_c=3.0"], "trainer.algorithm.clip_ratio_c", "policy_loss_type 'gspo'"),
-        (["generator.max_trajectory_tokens=4096"], "generator.max_trajectory_tokens", "max_position_embeddings (2048)"),
-        (["generator.max_trajectory_tokens=3", "generator.max_tokens_per_turn=4"], "generator.max_trajectory_tokens", ">= 4"),
-        (["generator.sampling_params.top_p=0"], "generator.sampling_params.top_p", "0 < top_p"),
-        (["generator.eval_sampling_params.top_k=0"], "generator.eval_sampling_params.top_k", "-1 (no cut)"),
+        (["generator.max_response_tokens=4096"], "generator.max_response_tokens", "max_position_embeddings (2048)"),
+        (["generator.max_response_tokens=3", "generator.max_tokens_per_turn=4"], "generator.max_response_tokens", "expected >= generator.max_tokens_per_turn (4), got 3"),
+        (["generator.sampling_params.top_p=0"], "generator.sampling_params.top_p", "expected a number in (0, 1], got 0.0"),
+        (["generator.eval_sampling_params.top_k=0"], "generator.eval_sampling_params.top_k", "expected -1 (no cut) or an int >= 1, got 0"),
         (["generator.sampling_params.temperature=-1"], "generator.sampling_params.temperature", "0 (greedy) or a number in [1e-06, 100]"),
         (["generator.sampling_params.temperature=1e-39"], "generator.sampling_params.temperature", "got 1e-39"),
         (["generator.eval_sampling_params.temperature=1e4"], "generator.eval_sampling_params.temperature", "0 (greedy) or a number in [1e-06, 100]"),
-        (["generator.inference_engine.port=70000"], "generator.inference_engine.port", "0..65535"),
+        (["generator.inference_engine.port=70000"], "generator.inference_engine.port", ">= 0 and <= 65535, got 70000"),
         (["environment.env_class="], "environment.env_class", "environment name"),
         (["environment.env_class=no_such_env"], "environment.env_class", "registered environment"),
         (["trainer.policy.optimizer_config.lr=0"], "trainer.policy.optimizer_config.lr", "> 0"),
-        (["trainer.policy.optimizer_config.adam_betas=[0.9,1.0]"], "trainer.policy.optimizer_config.adam_betas[1]", "beta < 1"),
+        (["trainer.policy.optimizer_config.adam_betas=[0.9,1.0]"], "trainer.policy.optimizer_config.adam_betas[1]", ">= 0.0 and < 1.0, got 1.0"),
         (["trainer.algorithm.eps_clip_high=1.5"], "trainer.algorithm.eps_clip_high", "< 1"),
         (["trainer.algorithm.clip_ratio_c=1.0"], "trainer.algorithm.clip_ratio_c", "> 1"),
         (["trainer.algorithm.tis_imp_ratio_cap=0"], "trainer.algorithm.tis_imp_ratio_cap", "> 0"),
         (["trainer.num_steps=0"], "trainer.num_steps", ">= 1"),
         (["trainer.eval_interval=-1"], "trainer.eval_interval", ">= 0"),
-        (["model.top_k=9"], "model.top_k", "num_experts"),
-        (["model.num_kv_heads=3"], "model.num_kv_heads", "divisor"),
         (["model.path=/nonexistent/ckpt"], "model.path", "existing checkpoint folder"),
         (["trainer.resume_from=/nonexistent/ckpt"], "trainer.resume_from", "existing checkpoint folder"),
         (["ray.num_cpus=0"], "ray.num_cpus", ">= 1"),
@@ -194,7 +191,7 @@ def test_transformer_kwargs_cannot_override_owned_keys(name: str, where: str) ->
 )  # fmt: skip
 def test_consistency_refusals(overrides: list[str], key: str, fragment: str) -> None:
     err = _refusal(overrides)
-    assert err.key == key
+    assert err.path == key
     assert fragment in err.reason
 
 
@@ -238,7 +235,7 @@ def test_data_parallel_split_counts_trajectories_not_prompts() -> None:
 def test_env_kwargs_the_environment_does_not_take_are_refused_before_launch() -> None:
     # repeat_letter's turns are its letters; it takes no max_turns.
     err = _refusal(["environment.env_class=repeat_letter", "+environment.kwargs.max_turns=3"])
-    assert err.key == "environment.kwargs"
+    assert err.path == "environment.kwargs"
     assert "max_turns" in err.reason
     ok = load_config(
         ["environment.env_class=repeat_letter", "+environment.kwargs.format_credit=0.5"]
@@ -247,19 +244,14 @@ def test_env_kwargs_the_environment_does_not_take_are_refused_before_launch() ->
     validate_cfg(
         load_config(["environment.env_class=guess_number", "+environment.kwargs.max_turns=3"])
     )
-    # The README's guess_number command (the settings that took it furthest).
-    validate_cfg(
-        load_config(
-            [
-                "environment.env_class=guess_number",
-                "trainer.num_steps=60",
-                "trainer.algorithm.norm_adv_by_std_in_grpo=false",
-                "trainer.algorithm.entropy_loss_coef=0.01",
-                "trainer.policy_mini_batch_size=8",
-                "trainer.micro_train_batch_size_per_gpu=64",
-            ]
-        )
-    )
+    # The README's guess_number preset (the settings that took it furthest).
+    preset = load_config(["environment=guess_number"])
+    validate_cfg(preset)
+    assert preset.environment.env_class == "guess_number"
+    assert (preset.trainer.num_steps, preset.trainer.policy_mini_batch_size) == (60, 8)
+    assert preset.trainer.micro_train_batch_size_per_gpu == 64
+    assert preset.trainer.algorithm.norm_adv_by_std_in_grpo is False
+    assert preset.trainer.algorithm.entropy_loss_coef == 0.01
 
 
 def test_algorithm_choices() -> None:
@@ -295,19 +287,13 @@ def test_unknown_algorithm_names_are_refused_naming_the_key(
     name: str, value: str, allowed: str
 ) -> None:
     key = f"trainer.algorithm.{name}"
-    with pytest.raises(ConfigValidationError) as info:
-        load_config([f"{key}={value}"])
-    assert str(info.value) == f"{key}: expected one of {allowed}, got '{value}'"
-    # A config built in Python skips the loader; validate_cfg refuses it the same way.
+    err = _refusal([f"{key}={value}"])
+    assert str(err) == f"{key}: expected one of {allowed}, got '{value}'"
+    # A config built in Python is refused the same way: the rule sits on the field.
     cfg = load_config()
-    built = dataclasses.replace(
-        cfg,
-        trainer=dataclasses.replace(
-            cfg.trainer, algorithm=dataclasses.replace(cfg.trainer.algorithm, **{name: value})
-        ),
-    )
+    setattr(cfg.trainer.algorithm, name, value)
     with pytest.raises(ConfigValidationError) as info:
-        validate_cfg(built)
+        validate_cfg(cfg)
     assert str(info.value) == f"{key}: expected one of {allowed}, got '{value}'"
 
 
@@ -327,26 +313,25 @@ def test_regularizers_and_dynamic_sampling_are_range_checked(
     override: str, key: str, reason: str
 ) -> None:
     err = _refusal([f"trainer.algorithm.{override}"])
-    assert err.key.endswith(key) and reason in err.reason
+    assert err.path.endswith(key) and reason in err.reason
 
 
 def test_dynamic_sampling_type_is_one_of_its_names() -> None:
-    with pytest.raises(ConfigValidationError) as info:
-        load_config(["trainer.algorithm.dynamic_sampling.type=dapo"])
-    assert info.value.key == "trainer.algorithm.dynamic_sampling.type"
-    assert "'filter'" in str(info.value) and "'dapo'" in str(info.value)
+    first = _refusal(["trainer.algorithm.dynamic_sampling.type=dapo"])
+    assert first.path == "trainer.algorithm.dynamic_sampling.type"
+    assert "'filter'" in str(first) and "'dapo'" in str(first)
     err = _refusal(
         ["trainer.algorithm.dynamic_sampling.type=filter", "generator.n_samples_per_prompt=1",
          "trainer.algorithm.advantage_estimator=reinforce++"]
     )  # fmt: skip
-    assert err.key == "trainer.algorithm.dynamic_sampling.type"
+    assert err.path == "trainer.algorithm.dynamic_sampling.type"
     assert "n_samples_per_prompt 1" in err.reason
 
 
 def test_validate_cfg_takes_a_composed_hydra_config_too() -> None:
     from hydra import compose, initialize_config_dir
 
-    from skyrl_train.config.loader import CONFIG_DIR
+    from skyrl_train.config.compose import CONFIG_DIR
 
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
         raw = compose(config_name="ppo_base_config")
@@ -357,4 +342,20 @@ def test_validate_cfg_takes_a_composed_hydra_config_too() -> None:
         )
     with pytest.raises(ConfigValidationError) as info:
         validate_cfg(bad)
-    assert info.value.key == "trainer.policy.megatron_config.virtual_pipeline_model_parallel_size"
+    assert info.value.path == "trainer.policy.megatron_config.virtual_pipeline_model_parallel_size"
+
+
+def test_a_run_dir_holding_another_runs_metrics_is_refused_unless_resuming(
+    tmp_path: Path,
+) -> None:
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    validate_cfg(load_config([f"trainer.run_dir={run_dir}"]))  # empty: fine
+    (run_dir / "metrics.jsonl").write_text('{"step": 1, "reward/mean": 0.5}\n')
+    err = _refusal([f"trainer.run_dir={run_dir}"])
+    assert err.path == "trainer.run_dir"
+    assert "trainer.resume_from" in err.reason and str(run_dir) in err.reason
+    assert (run_dir / "metrics.jsonl").read_text().count("\n") == 1  # left as it was
+    checkpoint = run_dir / "checkpoints" / "step_000001"
+    checkpoint.mkdir(parents=True)
+    validate_cfg(load_config([f"trainer.run_dir={run_dir}", f"trainer.resume_from={checkpoint}"]))

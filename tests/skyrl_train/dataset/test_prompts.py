@@ -15,7 +15,7 @@ import ray
 
 import skyrl_gym
 from skyrl_gym import Env, StepOutput
-from skyrl_train.config.loader import load_config
+from skyrl_train.config.compose import load_config
 from skyrl_train.dataset.prompts import load_datasets, load_tasks, read_rows, sample_step
 from skyrl_train.errors import ConfigValidationError, DatasetError
 
@@ -114,7 +114,7 @@ def test_a_bad_row_names_the_file_the_row_and_the_key(
     with pytest.raises(DatasetError) as info:
         _load([path])
     err = info.value
-    assert (err.key, err.path, err.row, err.field) == ("data.train_data[0]", path, 2, field)
+    assert (err.path, err.file, err.row, err.field) == ("data.train_data[0]", path, 2, field)
     assert str(err).startswith(f"data.train_data[0]: {path} row 2: {field}: ")
     assert isinstance(err, ConfigValidationError)
 
@@ -133,7 +133,7 @@ def test_a_malformed_json_line_is_named(tmp_path: Path) -> None:
     path.write_text(json.dumps(_row(0)) + "\n" + '{"prompt": [\n' + json.dumps(_row(2)) + "\n")
     with pytest.raises(DatasetError) as info:
         read_rows(path, key="data.val_data[0]")
-    assert (info.value.key, info.value.row) == ("data.val_data[0]", 1)
+    assert (info.value.path, info.value.row) == ("data.val_data[0]", 1)
 
 
 def test_an_empty_file_is_refused(tmp_path: Path) -> None:
@@ -207,8 +207,8 @@ def test_missing_data_files_fail_validation(tmp_path: Path) -> None:
 
     with pytest.raises(ConfigValidationError) as info:
         validate_cfg(load_config([f"data.val_data=[{tmp_path / 'nope.parquet'}]"]))
-    assert info.value.key == "data.val_data[0]" and "existing file" in info.value.reason
+    assert info.value.path == "data.val_data[0]" and "existing file" in info.value.reason
     (tmp_path / "rows.csv").write_text("x\n")
     with pytest.raises(ConfigValidationError) as info:
         validate_cfg(load_config([f"data.train_data=[{tmp_path / 'rows.csv'}]"]))
-    assert info.value.key == "data.train_data[0]" and ".parquet" in info.value.reason
+    assert info.value.path == "data.train_data[0]" and ".parquet" in info.value.reason

@@ -22,7 +22,7 @@ import ray
 import yarl
 from _e2e import SMALL, listening_sockets, new_pids, probe, process_tree, ray_daemon_pids
 
-from skyrl_train.config.loader import load_config
+from skyrl_train.config.compose import load_config
 from skyrl_train.config.schema import PPOConfig
 from skyrl_train.entrypoints.main_base import launch
 from skyrl_train.utils.tracking import read_metrics
@@ -168,6 +168,13 @@ def test_resume_reproduces_the_next_step(first_run: FirstRun, tmp_path: Path) ->
         timeout=400,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
+    # The step line reads bare on the console, and Hydra's job log (hydra/job_logging:
+    # <run_dir>/main_base.log) holds it too, timestamped, with the launch's own lines.
+    stdout_lines = proc.stdout.splitlines()
+    assert any(line.startswith("step 2 reward=") for line in stdout_lines), proc.stdout[-4000:]
+    job_log = (resumed_dir / "main_base.log").read_text()
+    assert "][skyrl_train.trainer.loop][INFO] - step 2 reward=" in job_log, job_log[-4000:]
+    assert "][skyrl_train.entrypoints.main_base][INFO] - inference servers: http" in job_log
     rows = read_metrics(resumed_dir / "metrics.jsonl")
     assert [row["step"] for row in rows] == [2]
     assert (resumed_dir / "metrics.png").is_file()

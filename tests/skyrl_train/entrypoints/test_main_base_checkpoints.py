@@ -14,7 +14,7 @@ import pytest
 import torch
 from _e2e import SMALL, new_pids, ray_daemon_pids, with_overrides
 
-from skyrl_train.config.loader import load_config
+from skyrl_train.config.compose import load_config
 from skyrl_train.entrypoints.main_base import launch, run
 from skyrl_train.errors import CheckpointError
 from skyrl_train.trainer.checkpoint import (
@@ -88,7 +88,7 @@ def test_a_corrupt_resume_checkpoint_never_reaches_ray_init(
     )
     with pytest.raises(CheckpointError) as info, launch(cfg):
         pytest.fail("launch must not yield with a corrupt checkpoint")
-    assert info.value.path == checkpoint / "policy_rank0.pt"
+    assert info.value.file == checkpoint / "policy_rank0.pt"
     assert calls == []
 
 

@@ -16,7 +16,7 @@ import ray
 from _e2e import SMALL
 
 from inference.models.tiny_checkpoint import write_tiny_checkpoint
-from skyrl_train.config.loader import load_config
+from skyrl_train.config.compose import load_config
 from skyrl_train.entrypoints.main_base import run
 from skyrl_train.utils.tracking import read_metrics
 

@@ -16,7 +16,7 @@ import ray
 from _e2e import SMALL
 
 from inference.models.tiny_checkpoint import write_tiny_checkpoint
-from skyrl_train.config.loader import load_config
+from skyrl_train.config.compose import load_config
 from skyrl_train.entrypoints.main_base import launch, run
 from skyrl_train.errors import ConfigValidationError
 
@@ -70,6 +70,6 @@ def test_an_unsupported_architecture_is_refused_before_ray_starts(tmp_path: Path
     with pytest.raises(ConfigValidationError) as info:
         with launch(cfg):
             pass
-    assert info.value.key == "model.path"
+    assert info.value.path == "model.path"
     assert "LlamaForCausalLM" in str(info.value) and "Qwen3MoeForCausalLM" in str(info.value)
     assert not ray.is_initialized()

@@ -24,7 +24,7 @@ from _e2e import (
     with_overrides,
 )
 
-from skyrl_train.config.loader import load_config
+from skyrl_train.config.compose import load_config
 from skyrl_train.config.schema import PPOConfig
 from skyrl_train.entrypoints.main_base import launch
 from skyrl_train.trainer.policy import RankInfo

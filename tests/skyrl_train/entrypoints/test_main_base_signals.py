@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from skyrl_train.config.loader import load_config
+from skyrl_train.config.compose import load_config
 from skyrl_train.entrypoints.main_base import run
 from skyrl_train.utils.tracking import read_metrics
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from _e2e import SMALL, with_overrides
 
-from skyrl_train.config.loader import load_config
+from skyrl_train.config.compose import load_config
 from skyrl_train.entrypoints.main_base import launch
 from skyrl_train.utils.tracking import read_metrics
 

@@ -10,13 +10,13 @@ import pytest
 
 import skyrl_gym
 from inference.errors import GenerateProtocolError
+from skyrl_train.config.schema import GeneratorConfig, InferenceEngineConfig, SamplingParamsConfig
 from skyrl_train.errors import ConfigValidationError, RouteTraceError
 from skyrl_train.generators import (
     ChatTemplateRenderer,
     GeneratorInput,
     GeneratorOutput,
     GymGenerator,
-    GymGeneratorConfig,
 )
 from tests.skyrl_train.generators.conftest import IgnoringPromptStartEngine, serving
 
@@ -53,12 +53,19 @@ def batch(env_name: str, n: int, *, seed: int = 0, **extras: Any) -> GeneratorIn
     )
 
 
-def config(**overrides: Any) -> GymGeneratorConfig:
-    values: dict[str, Any] = dict(
-        max_turns=3, max_tokens_per_turn=6, return_routed_experts=True, progress=False
+def config(*, return_routed_experts: bool = True, **overrides: Any) -> GeneratorConfig:
+    """A ``generator`` node; ``temperature``/``top_p``/``top_k`` go to ``sampling_params``."""
+    sampling = {k: overrides.pop(k) for k in ("temperature", "top_p", "top_k") if k in overrides}
+    return GeneratorConfig(
+        **{"max_turns": 3, "max_tokens_per_turn": 6, **overrides},
+        sampling_params=SamplingParamsConfig(**sampling),
+        inference_engine=InferenceEngineConfig(enable_return_routed_experts=return_routed_experts),
     )
-    values.update(overrides)
-    return GymGeneratorConfig(**values)
+
+
+def generator(clients: Any, tokenizer: Any, cfg: GeneratorConfig, **kwargs: Any) -> GymGenerator:
+    """A ``GymGenerator`` with no tqdm bar in the test output."""
+    return GymGenerator(clients, tokenizer, cfg, progress=False, **kwargs)
 
 
 class Wrapper:
@@ -115,7 +122,7 @@ def run(coro: Any) -> Any:
 def test_stitched_routes_equal_one_fp32_forward_of_the_final_sequence(tokenizer):
     async def main() -> None:
         async with serving() as client:
-            gen = GymGenerator(client, tokenizer, config(max_turns=3))
+            gen = generator(client, tokenizer, config(max_turns=3))
             out = await gen.generate(batch("guess_number", 6))
             check_consistent(out, 6)
             assert out.rollout_metrics["generate/mean_turns"] >= 2
@@ -150,10 +157,8 @@ def test_route_bytes_grow_linearly_with_turns(tokenizer):
                     return result
 
                 wrapper = Wrapper(client, rewrite_result=measure)
-                cfg = config(
-                    max_turns=k, max_tokens_per_turn=4, stop_token_ids=(), max_response_tokens=1024
-                )
-                out = await GymGenerator(wrapper, tokenizer, cfg).generate(
+                cfg = config(max_turns=k, max_tokens_per_turn=4, max_response_tokens=1024)
+                out = await generator(wrapper, tokenizer, cfg, stop_token_ids=()).generate(
                     batch("gen_test_echo", 1)
                 )
                 tokens = len(out.prompt_token_ids[0]) + len(out.response_ids[0])
@@ -180,8 +185,8 @@ def test_single_turn_path_appends_no_eos_and_routes_every_loss_token(tokenizer):
     async def main() -> None:
         async with serving() as client:
             # Length-cut replies: the response is exactly the sampled tokens, no EOS added.
-            out = await GymGenerator(
-                client, tokenizer, config(max_tokens_per_turn=3, stop_token_ids=())
+            out = await generator(
+                client, tokenizer, config(max_tokens_per_turn=3), stop_token_ids=()
             ).generate(batch("single_digit_sum", 4))
             check_consistent(out, 4)
             for i in range(4):
@@ -193,8 +198,9 @@ def test_single_turn_path_appends_no_eos_and_routes_every_loss_token(tokenizer):
                 assert out.routed_experts[i].shape[0] == n - 1
             # Every token a stop token: one sampled stop token per reply, loss mask 1,
             # predicted from the last prompt token whose row is captured.
-            cfg = config(max_tokens_per_turn=3, stop_token_ids=tuple(range(264)))
-            out = await GymGenerator(client, tokenizer, cfg).generate(batch("single_digit_sum", 2))
+            out = await generator(
+                client, tokenizer, config(max_tokens_per_turn=3), stop_token_ids=range(264)
+            ).generate(batch("single_digit_sum", 2))
             for i in range(2):
                 p = len(out.prompt_token_ids[i])
                 assert len(out.response_ids[i]) == 1 and out.loss_masks[i] == [1]
@@ -211,10 +217,8 @@ def test_uint8_then_int16_routes_widen_without_changing_values(tokenizer):
 
     async def main() -> None:
         async with serving() as client:
-            plain = await GymGenerator(client, tokenizer, config()).generate(
-                batch("repeat_letter", 3)
-            )
-            wide = await GymGenerator(
+            plain = await generator(client, tokenizer, config()).generate(batch("repeat_letter", 3))
+            wide = await generator(
                 Wrapper(client, rewrite_result=widen), tokenizer, config()
             ).generate(batch("repeat_letter", 3))
         assert plain.response_ids == wide.response_ids
@@ -230,20 +234,16 @@ def test_a_server_that_returns_the_whole_prefix(tokenizer):
         # Real server ignoring the prompt start: the client refuses the reply by its row
         # count (a protocol error, never retried), naming trajectory and turn.
         async with serving(IgnoringPromptStartEngine) as client:
-            gen = GymGenerator(client, tokenizer, config())
+            gen = generator(client, tokenizer, config())
             with pytest.raises(GenerateProtocolError, match=r"routed_experts.shape\[0\]") as info:
                 await gen.generate(batch("repeat_letter", 2))
             assert any("turn 1" in note and "trajectory #" in note for note in info.value.__notes__)
         # A path where the whole prefix gets through (a client asking with start 0): the
         # trace recognises it by its row count and keeps alignment.
         async with serving() as client:
-            plain = await GymGenerator(client, tokenizer, config()).generate(
-                batch("repeat_letter", 2)
-            )
+            plain = await generator(client, tokenizer, config()).generate(batch("repeat_letter", 2))
             sloppy = Wrapper(client, rewrite_start=lambda kwargs: 0)
-            whole = await GymGenerator(sloppy, tokenizer, config()).generate(
-                batch("repeat_letter", 2)
-            )
+            whole = await generator(sloppy, tokenizer, config()).generate(batch("repeat_letter", 2))
         assert whole.rollout_metrics["generate/whole_prefix_replies"] == 2 * (3 - 1)
         assert (
             whole.rollout_metrics["generate/route_bytes"]
@@ -267,7 +267,7 @@ class RewritingRenderer(ChatTemplateRenderer):
 def test_a_prompt_that_does_not_extend_the_previous_turn_is_refused(tokenizer):
     async def main() -> None:
         async with serving() as client:
-            gen = GymGenerator(client, tokenizer, config(), renderer=RewritingRenderer(tokenizer))
+            gen = generator(client, tokenizer, config(), renderer=RewritingRenderer(tokenizer))
             with pytest.raises(
                 RouteTraceError,
                 match=r"trajectory #0 turn 1: prompt_token_ids\[\d+\]: expected \d+ \(the prompt must extend the previous turn's \d+ tokens\), got 32",
@@ -303,9 +303,7 @@ def test_routed_requests_ask_for_the_packed_body_and_parse_it_packed(tokenizer, 
     async def main() -> GeneratorOutput:
         async with serving() as client:
             wrapper = Wrapper(client)
-            out = await GymGenerator(wrapper, tokenizer, config()).generate(
-                batch("guess_number", 3)
-            )
+            out = await generator(wrapper, tokenizer, config()).generate(batch("guess_number", 3))
         assert wrapper.calls and all(c["return_packed_body"] is True for c in wrapper.calls)
         assert counts == {"splice": len(wrapper.calls), "decode": len(wrapper.calls)}
         return out
@@ -319,9 +317,9 @@ def test_routes_off_requests_and_keeps_nothing_about_routes(tokenizer):
     async def main() -> None:
         async with serving() as client:
             wrapper = Wrapper(client)
-            out = await GymGenerator(
-                wrapper, tokenizer, config(return_routed_experts=False)
-            ).generate(batch("guess_number", 3))
+            out = await generator(wrapper, tokenizer, config(return_routed_experts=False)).generate(
+                batch("guess_number", 3)
+            )
         check_consistent(out, 3)
         assert out.routed_experts is None
         assert not any(k.startswith("generate/route") for k in out.rollout_metrics)
@@ -338,10 +336,9 @@ def test_routes_off_requests_and_keeps_nothing_about_routes(tokenizer):
 def test_token_budget_truncates_ids_masks_logprobs_and_routes_together(tokenizer):
     async def main() -> None:
         async with serving() as client:
-            cfg = config(
-                max_turns=4, max_tokens_per_turn=8, max_response_tokens=20, stop_token_ids=()
-            )
-            out = await GymGenerator(client, tokenizer, cfg).generate(batch("gen_test_echo", 2))
+            cfg = config(max_turns=4, max_tokens_per_turn=8, max_response_tokens=20)
+            gen = generator(client, tokenizer, cfg, stop_token_ids=())
+            out = await gen.generate(batch("gen_test_echo", 2))
         check_consistent(out, 2)
         for i in range(2):
             p = len(out.prompt_token_ids[i])
@@ -358,15 +355,11 @@ def test_several_clients_round_robin_and_seeds_are_reproducible(tokenizer):
     async def main() -> None:
         async with serving() as client:
             a, b = Wrapper(client), Wrapper(client)
-            gen = GymGenerator([a, b], tokenizer, config(max_concurrent_trajectories=2))
+            gen = generator([a, b], tokenizer, config(max_concurrent_trajectories=2))
             await gen.generate(batch("gen_test_echo", 4, turns=2))
-            first = await GymGenerator(client, tokenizer, config()).generate(
-                batch("guess_number", 4)
-            )
-            again = await GymGenerator(client, tokenizer, config()).generate(
-                batch("guess_number", 4)
-            )
-            gen = GymGenerator(client, tokenizer, config())
+            first = await generator(client, tokenizer, config()).generate(batch("guess_number", 4))
+            again = await generator(client, tokenizer, config()).generate(batch("guess_number", 4))
+            gen = generator(client, tokenizer, config())
             await gen.generate(batch("guess_number", 4))
             second = await gen.generate(batch("guess_number", 4))
 
@@ -383,12 +376,20 @@ def test_several_clients_round_robin_and_seeds_are_reproducible(tokenizer):
 
 
 def test_bad_inputs_fail_before_any_request(tokenizer):
-    with pytest.raises(
-        ConfigValidationError, match=r"generator.max_turns: expected an int >= 1, got 0"
-    ):
-        GymGeneratorConfig(max_turns=0)
     wrapper = Wrapper(None)
-    gen = GymGenerator(wrapper, tokenizer, config())
+    # A node built in Python skipped launch validation: the constructor checks it.
+    with pytest.raises(
+        ConfigValidationError, match=r"^generator.max_turns: expected an int >= 1, got 0"
+    ):
+        generator(wrapper, tokenizer, config(max_turns=0))
+    with pytest.raises(ConfigValidationError, match=r"^generator.sampling_params.temperature"):
+        generator(wrapper, tokenizer, config(temperature=-1.0))
+    bad_eval = config()
+    bad_eval.eval_sampling_params.temperature = -1.0  # checked only where it is used
+    generator(wrapper, tokenizer, bad_eval)
+    with pytest.raises(ConfigValidationError, match=r"^generator.eval_sampling_params.temp"):
+        generator(wrapper, tokenizer, bad_eval, evaluation=True)
+    gen = generator(wrapper, tokenizer, config())
     with pytest.raises(skyrl_gym.EnvError, match="make.name"):
         run(gen.generate(GeneratorInput([[{"role": "user", "content": "x"}]], ["nope"])))
     with pytest.raises(ValueError, match="expected env_names and env_extras of length 2"):
@@ -423,10 +424,29 @@ class ScriptedClient:
         )
 
 
+def test_evaluation_samples_with_the_eval_params_and_requests_no_routes(tokenizer):
+    cfg = config(temperature=0.7, top_k=5)  # routes on, for training
+
+    async def main(evaluation: bool) -> Wrapper:
+        async with serving() as client:
+            wrapper = Wrapper(client)
+            gen = generator(wrapper, tokenizer, cfg, evaluation=evaluation)
+            await gen.generate(batch("repeat_letter", 2))
+        return wrapper
+
+    for evaluation, sampling, routed in ((False, (0.7, 5), True), (True, (0.0, -1), False)):
+        calls = run(main(evaluation)).calls
+        assert calls and all(
+            (c["sampling_params"]["temperature"], c["sampling_params"]["top_k"]) == sampling
+            and c["return_routed_experts"] is routed
+            for c in calls
+        )
+
+
 def test_solved_comes_from_step_metadata(tokenizer):
     skyrl_gym.register("gen_test_solve", SolveEnv)
     try:
-        gen = GymGenerator(ScriptedClient(), tokenizer, config(return_routed_experts=False))
+        gen = generator(ScriptedClient(), tokenizer, config(return_routed_experts=False))
         extras = [{"solve_on": 1}, {"solve_on": -1}, {"report": False}]
         prompt = [{"role": "user", "content": "go"}]
         out = run(gen.generate(GeneratorInput([prompt] * 3, ["gen_test_solve"] * 3, extras)))

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from skyrl_train.config.loader import load_config
+from skyrl_train.config.compose import load_config
 from skyrl_train.config.validate import validate_cfg
 from skyrl_train.errors import CheckpointError, ConfigValidationError, NonFiniteError
 from skyrl_train.trainer import checkpoint as ckpt
@@ -59,7 +59,7 @@ def _refusal(folder: Path, **kwargs: bool) -> CheckpointError:
         verify_checkpoint(folder, **kwargs)
     message = str(info.value)
     assert message.startswith("trainer.resume_from: ")
-    assert str(info.value.path) in message and "expected" in message and "got" in message
+    assert str(info.value.file) in message and "expected" in message and "got" in message
     return info.value
 
 
@@ -118,7 +118,7 @@ def test_corrupted_bytes_in_a_pt_are_refused_before_torch_load(
     target.write_bytes(bytes(data))
     _no_torch_load(monkeypatch)
     err = _refusal(final)
-    assert err.path == target
+    assert err.file == target
     assert err.expected.startswith("sha256 ") and err.got.startswith("sha256 ")
     # Sizes alone cannot see it: the structural check used for pruning passes.
     verify_checkpoint(final, hash_files=False)
@@ -133,7 +133,7 @@ def test_a_half_written_file_is_refused_naming_it(
     os.truncate(target, size // 2)
     _no_torch_load(monkeypatch)
     err = _refusal(final, hash_files=False)
-    assert err.path == target
+    assert err.file == target
     assert (err.expected, err.got) == (
         f"{size} bytes",
         f"{size // 2} bytes (truncated, half-written or replaced)",
@@ -144,23 +144,23 @@ def test_a_missing_or_an_extra_file_is_refused_naming_it(tmp_path: Path) -> None
     final = _save(tmp_path, 1, world_size=2)
     (final / "policy_rank1.pt").unlink()
     err = _refusal(final)
-    assert err.path == final / "policy_rank1.pt" and err.got == "no such file"
+    assert err.file == final / "policy_rank1.pt" and err.got == "no such file"
     other = _save(tmp_path, 2)
     (other / "notes.txt").write_text("hello")
     err = _refusal(other)
-    assert err.path == other / "notes.txt" and err.got == "an extra file"
+    assert err.file == other / "notes.txt" and err.got == "an extra file"
 
 
 def test_an_empty_driver_json_is_refused_naming_it(tmp_path: Path) -> None:
     final = _save(tmp_path, 1)
     (final / DRIVER_FILE).write_bytes(b"")
     err = _refusal(final)
-    assert err.path == final / DRIVER_FILE and err.got.startswith("0 bytes")
+    assert err.file == final / DRIVER_FILE and err.got.startswith("0 bytes")
     # An empty driver.json the manifest vouches for (a buggy writer) names it too.
     folder = begin_save(tmp_path, step=5)
     write_file(folder / DRIVER_FILE, b"")
     err = _refusal(commit_save(folder, step=5))
-    assert err.path == tmp_path / "step_000005" / DRIVER_FILE and err.got == "an empty file"
+    assert err.file == tmp_path / "step_000005" / DRIVER_FILE and err.got == "an empty file"
 
 
 @pytest.mark.parametrize(
@@ -191,7 +191,7 @@ def test_a_missing_or_bad_manifest_is_refused_naming_it(
     else:
         manifest.write_bytes(content)
     err = _refusal(final)
-    assert err.path == manifest
+    assert err.file == manifest
     assert err.got == got
 
 
@@ -319,9 +319,9 @@ def test_max_ckpts_to_keep_is_validated(value: str, ok: bool) -> None:
     if ok:
         validate_cfg(cfg)
         return
-    with pytest.raises(ConfigValidationError, match="expected -1 or null") as info:
+    with pytest.raises(ConfigValidationError, match="expected -1 or an int >= 1") as info:
         validate_cfg(cfg)
-    assert info.value.key == "trainer.max_ckpts_to_keep"
+    assert info.value.path == "trainer.max_ckpts_to_keep"
 
 
 # ------------------------------------------------------------ the driver's side, no Ray
@@ -392,7 +392,7 @@ def test_resume_at_another_world_size_is_refused_before_launch(tmp_path: Path) -
     cfg = load_config([f"trainer.resume_from={final}"])
     with pytest.raises(ConfigValidationError, match="world size 2") as info:
         verify_resume(cfg)
-    assert info.value.key == "trainer.placement.num_trainers"
+    assert info.value.path == "trainer.placement.num_trainers"
 
 
 def test_error_tree() -> None:

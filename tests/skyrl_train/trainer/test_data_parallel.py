@@ -140,4 +140,4 @@ def test_checkpoint_of_a_missing_rank_or_other_world_size_is_refused(tmp_path: P
         load_rank_state(tmp_path, rank=1, world_size=2)
     with pytest.raises(ConfigValidationError, match="world size 2") as info:
         load_rank_state(tmp_path, rank=0, world_size=1)
-    assert info.value.key == "trainer.placement.num_trainers"
+    assert info.value.path == "trainer.placement.num_trainers"

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from skyrl_train.config.loader import load_config
+from skyrl_train.config.compose import load_config
 from skyrl_train.dataset.batch import TrainingBatch
 from skyrl_train.errors import NonFiniteError
 from skyrl_train.generators.base import GeneratorOutput
@@ -64,7 +64,6 @@ def _cfg(tmp_path: Path) -> Any:
             "trainer.eval_interval=0",
             "trainer.ckpt_interval=1",
             "logging.progress_bar=false",
-            "logging.tensorboard=false",
         ]
     )
 
@@ -151,7 +150,7 @@ class TrainerPolicy:
 class FixedGenerator:
     """Stands in for GymGenerator: the same finished rollouts every step."""
 
-    def __init__(self, *args: object) -> None:
+    def __init__(self, *args: object, **kwargs: object) -> None:
         pass
 
     async def generate(self, inputs: Any) -> GeneratorOutput:

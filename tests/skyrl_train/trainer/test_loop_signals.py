@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import math
 from pathlib import Path
 from typing import Any
@@ -13,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from skyrl_train.config.loader import load_config
+from skyrl_train.config.compose import load_config
 from skyrl_train.dataset.batch import TrainingBatch
 from skyrl_train.generators.base import GeneratorOutput
 from skyrl_train.trainer import loop as loop_module
@@ -70,7 +71,7 @@ class SolvedGenerator:
     """Group 0 scores (1, 0) with one solved episode; group 1 scores (0.2, 0.2): flat.
     The response holds an observation token (loss mask 0) between generated ones."""
 
-    def __init__(self, *args: object) -> None:
+    def __init__(self, *args: object, **kwargs: object) -> None:
         pass
 
     async def generate(self, inputs: Any) -> GeneratorOutput:
@@ -103,7 +104,6 @@ def _run(
             "trainer.eval_batch_size=2",
             "trainer.ckpt_interval=0",
             "logging.progress_bar=false",
-            "logging.tensorboard=false",
             *overrides,
         ]
     )
@@ -117,14 +117,28 @@ def _run(
         policy=Policy(trainer),
         pad_token_id=0,
     )
-    lines: list[str] = []
-    real_write = loop_module.tqdm.write
+    # The per-step lines, as the loop logs them (INFO on its module logger).
+    handler = _LineCollector()
+    logger = loop_module.logger
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
     try:
-        loop_module.tqdm.write = lines.append  # type: ignore[method-assign]
         asyncio.run(loop.run())
     finally:
-        loop_module.tqdm.write = real_write  # type: ignore[method-assign]
-    return read_metrics(tmp_path / "metrics.jsonl"), lines, worker
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    return read_metrics(tmp_path / "metrics.jsonl"), handler.lines, worker
+
+
+class _LineCollector(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.getMessage().startswith("step "):
+            self.lines.append(record.getMessage())
 
 
 @pytest.mark.parametrize("estimator", ["grpo", "rloo", "reinforce++"])
@@ -173,8 +187,10 @@ class RoundGenerator(SolvedGenerator):
 
     rounds: list[int] = []
 
-    def __init__(self, clients: object, tokenizer: object, config: Any) -> None:
-        self.extra = config.temperature > 0 and config.seed > 1000
+    def __init__(
+        self, clients: object, tokenizer: object, config: Any, *, seed: int = 0, **kwargs: Any
+    ) -> None:
+        self.extra = not kwargs.get("evaluation", False) and seed > 1000
 
     async def generate(self, inputs: Any) -> GeneratorOutput:
         out = await super().generate(inputs)

@@ -14,7 +14,7 @@ from skyrl_train.utils.tracking import MetricsTracker, drop_steps_after, read_me
 
 
 def _run(run_dir: Path, steps: range, *, start_step: int = 0, **options: Any) -> None:
-    tracker = MetricsTracker(run_dir, tensorboard=False, start_step=start_step, **options)
+    tracker = MetricsTracker(run_dir, start_step=start_step, **options)
     for step in steps:
         tracker.log(step, {"reward/mean": step / 10, "run": float(start_step)})
     tracker.close()
@@ -46,7 +46,7 @@ def test_a_torn_last_line_is_dropped_and_the_file_replaced_whole(tmp_path: Path)
 
 def test_jsonl_off_leaves_the_file_alone(tmp_path: Path) -> None:
     _run(tmp_path, range(1, 4))
-    _run(tmp_path, range(2, 4), start_step=1, jsonl=False)
+    _run(tmp_path, range(2, 4), start_step=1, trackers=[])
     assert [row["step"] for row in read_metrics(tmp_path / "metrics.jsonl")] == [1, 2, 3]
 
 
@@ -68,5 +68,5 @@ def test_tensorboard_purges_the_steps_the_run_takes_again(
     fake = types.ModuleType("torch.utils.tensorboard")
     fake.SummaryWriter = RecordingWriter  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", fake)
-    MetricsTracker(tmp_path, start_step=4).close()
+    MetricsTracker(tmp_path, trackers=["tensorboard"], start_step=4).close()
     assert made == [{"log_dir": str(tmp_path / "tensorboard"), "purge_step": 5}]

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from skyrl_train.algorithms import gspo_policy_loss, kl_penalty, ppo_policy_loss, token_mean_entropy
-from skyrl_train.config.loader import load_config
+from skyrl_train.config.compose import load_config
 from skyrl_train.dataset.batch import TrainingBatch
 from skyrl_train.trainer.policy import PolicyTrainer
 from skyrl_train.workers.megatron.layout import slice_batch

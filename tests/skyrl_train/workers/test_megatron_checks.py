@@ -1,22 +1,24 @@
-"""Refusals that need no model: settings, VPP/fusion/sinkhorn with replay, route checks,
-and the contiguous re-layout of left-padded rows."""
+"""Refusals that need no model: the megatron_config node, VPP/fusion/sinkhorn with
+replay, route checks, and the contiguous re-layout of left-padded rows."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import pytest
 import torch
 from _megatron_batches import make_batch
 
 from inference.models.tiny_moe import TinyMoEConfig
+from skyrl_train.config.schema import MegatronConfig
 from skyrl_train.errors import ConfigValidationError, RouteReplayError
 from skyrl_train.workers.megatron.layout import (
     make_contiguous,
     shard_for_data_parallel_rank,
     shift_rows,
 )
-from skyrl_train.workers.megatron.model import refuse_unsupported_on_cpu
+from skyrl_train.workers.megatron.model import refuse_unsupported_on_cpu, transformer_config_kwargs
 from skyrl_train.workers.megatron.replay import LocalRouters, validate_routes
-from skyrl_train.workers.megatron.settings import MegatronSettings
 from skyrl_train.workers.megatron.worker import MegatronPolicyWorker
 
 KEY = "trainer.policy.megatron_config"
@@ -24,34 +26,22 @@ CFG = TinyMoEConfig()
 ARCH = CFG.architecture()
 
 
-def _setup(values: dict) -> None:
-    MegatronPolicyWorker(ARCH, values).setup()
+def _setup(**values: Any) -> None:
+    MegatronPolicyWorker(ARCH, MegatronConfig(**values)).setup()
 
 
 def test_worker_refuses_vpp_with_replay_naming_the_key() -> None:
     with pytest.raises(ConfigValidationError) as err:
-        _setup({"moe_enable_routing_replay": True, "virtual_pipeline_model_parallel_size": 2})
-    assert err.value.key == f"{KEY}.virtual_pipeline_model_parallel_size"
+        _setup(moe_enable_routing_replay=True, virtual_pipeline_model_parallel_size=2)
+    assert err.value.path == f"{KEY}.virtual_pipeline_model_parallel_size"
     assert "virtual pipeline" in str(err.value)
 
 
 def test_worker_refuses_vpp_resolved_from_passthrough_kwargs() -> None:
-    values = {
-        "moe_enable_routing_replay": True,
-        "transformer_config_kwargs": {"virtual_pipeline_model_parallel_size": 2},
-    }
+    kwargs = {"virtual_pipeline_model_parallel_size": 2}
     with pytest.raises(ConfigValidationError) as err:
-        _setup(values)
-    assert err.value.key == f"{KEY}.transformer_config_kwargs.virtual_pipeline_model_parallel_size"
-
-
-def test_ref_key_prefix_is_reported() -> None:
-    with pytest.raises(ConfigValidationError, match=r"^trainer\.ref\.megatron_config\.virtual"):
-        MegatronPolicyWorker(
-            ARCH,
-            {"moe_enable_routing_replay": True, "virtual_pipeline_model_parallel_size": 2},
-            config_key="trainer.ref.megatron_config",
-        ).setup()
+        _setup(moe_enable_routing_replay=True, transformer_config_kwargs=kwargs)
+    assert err.value.path == f"{KEY}.transformer_config_kwargs.virtual_pipeline_model_parallel_size"
 
 
 @pytest.mark.parametrize(
@@ -63,38 +53,36 @@ def test_ref_key_prefix_is_reported() -> None:
 )
 def test_worker_refuses_replay_bypassing_router_settings(kwargs: dict, field: str) -> None:
     with pytest.raises(ConfigValidationError) as err:
-        _setup({"moe_enable_routing_replay": True, "transformer_config_kwargs": kwargs})
-    assert err.value.key == f"{KEY}.transformer_config_kwargs.{field}"
+        _setup(moe_enable_routing_replay=True, transformer_config_kwargs=kwargs)
+    assert err.value.path == f"{KEY}.transformer_config_kwargs.{field}"
 
 
 def test_worker_refuses_a_passthrough_moe_layer_pattern_unlike_the_checkpoints() -> None:
     with pytest.raises(ConfigValidationError) as err:
-        _setup({"transformer_config_kwargs": {"moe_layer_freq": [0, 1, 1, 1]}})
-    assert err.value.key == f"{KEY}.transformer_config_kwargs.moe_layer_freq"
+        _setup(transformer_config_kwargs={"moe_layer_freq": [0, 1, 1, 1]})
+    assert err.value.path == f"{KEY}.transformer_config_kwargs.moe_layer_freq"
     assert "expected MoE layers [0, 1, 2, 3] (the checkpoint's), got [1, 2, 3]" in str(err.value)
 
 
-def test_settings_refuse_unknown_and_bad_keys() -> None:
-    with pytest.raises(ConfigValidationError, match=rf"^{KEY}\.tensor_parallel: unknown key"):
-        MegatronSettings.from_mapping({"tensor_parallel": 2})
+def test_worker_checks_the_nodes_constraints() -> None:
+    # A node built in Python never went through Hydra or validate_cfg.
     with pytest.raises(ConfigValidationError, match=rf"^{KEY}\.expert_model_parallel_size"):
-        MegatronSettings.from_mapping({"expert_model_parallel_size": 0})
+        MegatronPolicyWorker(ARCH, MegatronConfig(expert_model_parallel_size=0))
+    with pytest.raises(ConfigValidationError, match=rf"^{KEY}\.routing_replay_source"):
+        MegatronPolicyWorker(ARCH, MegatronConfig(routing_replay_source="engine"))
 
 
-def test_settings_accept_omegaconf_nodes() -> None:
-    from omegaconf import OmegaConf
-
-    node = OmegaConf.create(
-        {"expert_model_parallel_size": 2, "transformer_config_kwargs": {"moe_z_loss_coeff": 0.1}}
-    )
-    settings = MegatronSettings.from_mapping(node)
-    assert settings.expert_model_parallel_size == 2
-    assert settings.transformer_config_kwargs == {"moe_z_loss_coeff": 0.1}
+def test_expert_tensor_parallel_size_reaches_the_transformer_config() -> None:
+    assert "expert_tensor_parallel_size" not in transformer_config_kwargs(ARCH, MegatronConfig())
+    mc = MegatronConfig(expert_tensor_parallel_size=2)
+    assert transformer_config_kwargs(ARCH, mc)["expert_tensor_parallel_size"] == 2
+    mc.transformer_config_kwargs = {"expert_tensor_parallel_size": 1}  # the passthrough wins
+    assert transformer_config_kwargs(ARCH, mc)["expert_tensor_parallel_size"] == 1
 
 
 def test_cpu_path_refuses_tensor_and_pipeline_parallelism() -> None:
     with pytest.raises(ConfigValidationError, match=rf"^{KEY}\.pipeline_model_parallel_size"):
-        refuse_unsupported_on_cpu(MegatronSettings(pipeline_model_parallel_size=2))
+        refuse_unsupported_on_cpu(MegatronConfig(pipeline_model_parallel_size=2))
 
 
 # ---- route checks --------------------------------------------------------------

@@ -9,10 +9,11 @@ import torch.multiprocessing as mp
 from _megatron_batches import PAD_ID, hf_response_logprobs, make_batch, random_routes
 
 from inference.models.tiny_moe import TinyMoEConfig, build_hf_model
+from skyrl_train.config.schema import MegatronConfig
 
 CFG = TinyMoEConfig()
 ARCH = CFG.architecture()
-L, E, K = CFG.num_layers, CFG.num_experts, CFG.top_k
+L, E, K = CFG.num_layers, CFG.num_experts, CFG.num_experts_per_tok
 WORLD = 2
 
 
@@ -37,7 +38,7 @@ def _rank_main(rank: int, rendezvous: str) -> None:
 
         worker = MegatronPolicyWorker(
             ARCH,
-            {"moe_enable_routing_replay": True, "expert_model_parallel_size": WORLD},
+            MegatronConfig(moe_enable_routing_replay=True, expert_model_parallel_size=WORLD),
             pad_token_id=PAD_ID,
         ).setup()
         assert len(worker.model.decoder.layers[0].mlp.experts.local_experts) == E // WORLD

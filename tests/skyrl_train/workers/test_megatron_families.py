@@ -22,6 +22,7 @@ from inference.models.architecture import MoEArchitecture, TinySizes
 from inference.models.families import FAMILIES, describe
 from inference.models.tiny_moe import TinyMoEConfig
 from inference.models.tokenizer import save_byte_tokenizer
+from skyrl_train.config.schema import MegatronConfig
 from skyrl_train.errors import RouteReplayError
 from skyrl_train.workers.megatron import MegatronPolicyWorker
 from skyrl_train.workers.megatron.model import causal_attention_mask
@@ -55,8 +56,11 @@ class Case:
         self.arch: MoEArchitecture = describe(self.hf.config)
         # Built first, with replay off: building a model resets Megatron's process-global
         # router registry, which would orphan the replaying worker's routers.
-        self.blank = MegatronPolicyWorker(self.arch, {}, seed=5).setup()
-        self.worker = MegatronPolicyWorker(self.arch, {"moe_enable_routing_replay": True}).setup()
+        self.blank = MegatronPolicyWorker(
+            self.arch, MegatronConfig(moe_enable_routing_replay=False), seed=5
+        ).setup()
+        replaying = MegatronConfig(moe_enable_routing_replay=True)
+        self.worker = MegatronPolicyWorker(self.arch, replaying).setup()
         self.loaded = self.worker.load_weights(self.hf.named_parameters())
 
 
@@ -69,7 +73,7 @@ def case(request, tmp_path_factory) -> Case:
 def test_the_families_have_the_shapes_these_tests_need(case: Case) -> None:
     arch = case.arch
     assert (arch.hidden_size, arch.num_attention_heads, arch.head_dim) == (48, 6, 8)
-    assert (arch.num_experts, arch.top_k, arch.num_layers) == (6, 3, 3)
+    assert (arch.num_experts, arch.num_experts_per_tok, arch.num_layers) == (6, 3, 3)
     assert arch.moe_layers == ((1, 2) if arch.family.startswith("qwen") else (0, 1, 2))
     layers = case.worker.model.decoder.layers
     assert [hasattr(layer.mlp, "router") for layer in layers] == [
@@ -149,7 +153,7 @@ def _engine_rollout(case: Case):
         PROMPTS,
         [o.token_ids for o in outputs],
         num_layers=case.arch.num_moe_layers,
-        top_k=case.arch.top_k,
+        top_k=case.arch.num_experts_per_tok,
         routes=routes,
     )
 
@@ -217,13 +221,12 @@ def test_the_builtin_model_builds_as_it_did_from_one_local_spec() -> None:
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     from skyrl_train.workers.megatron.model import build_gpt_model, build_transformer_config
-    from skyrl_train.workers.megatron.settings import MegatronSettings
 
     cfg = TinyMoEConfig()
     arch = cfg.architecture()
-    settings = MegatronSettings()
-    worker = MegatronPolicyWorker(arch, settings).setup()  # parallel state
-    config = build_transformer_config(arch, settings)
+    mc = MegatronConfig(moe_enable_routing_replay=False)
+    worker = MegatronPolicyWorker(arch, mc).setup()  # parallel state
+    config = build_transformer_config(arch, mc)
     built = build_gpt_model(arch, config, seed=3).state_dict()
     torch.manual_seed(3)
     spec = get_gpt_layer_local_spec(

@@ -11,12 +11,12 @@ import torch
 from _megatron_batches import PAD_ID, make_batch, random_routes
 
 from inference.models.tiny_moe import TinyMoEConfig
-from skyrl_train.config.loader import load_config
+from skyrl_train.config.compose import load_config
 from skyrl_train.trainer.policy import PolicyTrainer
 from skyrl_train.workers.megatron import MegatronPolicyWorker, OptimizerSettings
 
 CFG = TinyMoEConfig()
-L, E, K = CFG.num_layers, CFG.num_experts, CFG.top_k
+L, E, K = CFG.num_layers, CFG.num_experts, CFG.num_experts_per_tok
 PROMPTS, SAMPLES = 4, 2
 
 
@@ -38,7 +38,7 @@ def _trainer(tmp_path: Path) -> PolicyTrainer:
     # A large step so the native routing drifts within the four updates.
     trainer.worker = MegatronPolicyWorker(
         CFG.architecture(),
-        {"moe_enable_routing_replay": True},
+        cfg.trainer.policy.megatron_config,
         optimizer=OptimizerSettings(lr=3e-2),
         pad_token_id=PAD_ID,
     ).setup()

@@ -8,12 +8,13 @@ import torch
 from _megatron_batches import PAD_ID, make_batch, random_routes
 
 from inference.models.tiny_moe import TinyMoEConfig, build_hf_model
+from skyrl_train.config.schema import MegatronConfig
 from skyrl_train.errors import RouteReplayError
 from skyrl_train.workers.megatron import MegatronPolicyWorker, OptimizerSettings
 
 CFG = TinyMoEConfig()
 ARCH = CFG.architecture()
-L, E, K = CFG.num_layers, CFG.num_experts, CFG.top_k
+L, E, K = CFG.num_layers, CFG.num_experts, CFG.num_experts_per_tok
 RECOMPUTE = {
     "recompute_granularity": "full",
     "recompute_method": "uniform",
@@ -24,7 +25,7 @@ RECOMPUTE = {
 def _grads(batch, kwargs: dict) -> tuple[MegatronPolicyWorker, dict[str, torch.Tensor]]:
     worker = MegatronPolicyWorker(
         ARCH,
-        {"moe_enable_routing_replay": True, "transformer_config_kwargs": kwargs},
+        MegatronConfig(moe_enable_routing_replay=True, transformer_config_kwargs=kwargs),
         optimizer=OptimizerSettings(lr=0.0, max_grad_norm=0.0),
         pad_token_id=PAD_ID,
     ).setup()

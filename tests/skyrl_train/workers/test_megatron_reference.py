@@ -11,10 +11,11 @@ from _megatron_batches import PAD_ID, make_batch, random_routes
 
 from inference.models.tiny_moe import TinyMoEConfig
 from skyrl_train.algorithms import token_mean_entropy
+from skyrl_train.config.schema import MegatronConfig
 from skyrl_train.workers.megatron import MegatronPolicyWorker, OptimizerSettings
 
 CFG = TinyMoEConfig()
-L, E, K = CFG.num_layers, CFG.num_experts, CFG.top_k
+L, E, K = CFG.num_layers, CFG.num_experts, CFG.num_experts_per_tok
 
 
 @pytest.fixture(scope="module")
@@ -22,7 +23,7 @@ def worker() -> MegatronPolicyWorker:
     torch.set_num_threads(1)
     return MegatronPolicyWorker(
         CFG.architecture(),
-        {"moe_enable_routing_replay": True},
+        MegatronConfig(moe_enable_routing_replay=True),
         optimizer=OptimizerSettings(lr=1e-2),
         pad_token_id=PAD_ID,
     ).setup()

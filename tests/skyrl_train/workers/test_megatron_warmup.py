@@ -9,6 +9,7 @@ import torch
 from _megatron_batches import PAD_ID, make_batch
 
 from inference.models.tiny_moe import TinyMoEConfig
+from skyrl_train.config.schema import MegatronConfig
 from skyrl_train.workers.megatron import MegatronPolicyWorker, OptimizerSettings
 
 CFG = TinyMoEConfig()
@@ -19,7 +20,7 @@ def _worker(warmup: int) -> MegatronPolicyWorker:
     torch.set_num_threads(1)
     return MegatronPolicyWorker(
         CFG.architecture(),
-        {"moe_enable_routing_replay": False},
+        MegatronConfig(moe_enable_routing_replay=False),
         optimizer=OptimizerSettings(lr=LR, num_warmup_steps=warmup),
         pad_token_id=PAD_ID,
     ).setup()

@@ -13,6 +13,7 @@ from inference.engine.base import EngineRequest, SamplingParams
 from inference.engine.hf_engine import HFMoEEngine
 from inference.models.tiny_moe import TinyMoEConfig, build_hf_model
 from inference.models.tokenizer import build_byte_tokenizer
+from skyrl_train.config.schema import MegatronConfig
 from skyrl_train.errors import RouteReplayError
 from skyrl_train.workers.megatron import MegatronPolicyWorker, OptimizerSettings
 from skyrl_train.workers.megatron.cpu_compat import apply_cpu_compat
@@ -20,7 +21,7 @@ from skyrl_train.workers.megatron.model import causal_attention_mask
 
 CFG = TinyMoEConfig()
 ARCH = CFG.architecture()
-L, E, K = CFG.num_layers, CFG.num_experts, CFG.top_k
+L, E, K = CFG.num_layers, CFG.num_experts, CFG.num_experts_per_tok
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +29,7 @@ def worker() -> MegatronPolicyWorker:
     torch.set_num_threads(1)
     w = MegatronPolicyWorker(
         ARCH,
-        {"moe_enable_routing_replay": True},
+        MegatronConfig(moe_enable_routing_replay=True),
         optimizer=OptimizerSettings(lr=1e-3),
         pad_token_id=PAD_ID,
     ).setup()
