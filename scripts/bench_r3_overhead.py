@@ -1,11 +1,17 @@
 """R3 overhead: the same seeded workload with route capture + transfer on vs off.
 
-    OMP_NUM_THREADS=1 python3 scripts/bench_r3_overhead.py [--requests 64] [--json]
+    OMP_NUM_THREADS=1 python3 scripts/bench_r3_overhead.py [--requests 64] [--repeats 7] [--json]
 
-Two measurements on the default tiny MoE (bf16, CPU, 1 torch thread):
+Measurements on the default tiny MoE (bf16, CPU, 1 torch thread), each on vs off:
   * engine: ``HFMoEEngine.generate_sync`` with capture on vs off (capture cost alone);
   * http: the real aiohttp server + ``RemoteGenerateClient`` with 64 concurrent
-    requests, routes packed, sent, spliced and decoded on vs off (the full R3 path).
+    requests, the body training asks for on (routes plus the fully packed body) vs
+    the plain reply off: the full R3 path;
+  * the split of the http overhead: capture (the engine figure), packing (rendering
+    the 64 replies with vs without routes), client decode (parsing those same bodies),
+    and the rest (HTTP transfer of the extra bytes, the splice, scheduling): http
+    overhead minus the three. Each part is seconds per workload, shown as a share of
+    the off arm's http time.
 Capture does not change the computation, so both arms generate identical tokens
 (checked); arms alternate per repeat so machine noise hits both alike. Also reports
 64-concurrent vs sequential throughput through the server.
@@ -39,7 +45,8 @@ def _spread(values: list[float]) -> dict[str, float]:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
-def bench_engine(args: argparse.Namespace) -> dict[str, Any]:
+def bench_engine(args: argparse.Namespace, samples: dict[str, Any]) -> dict[str, Any]:
+    """Capture on vs off; ``samples`` receives the last on-arm requests and outputs."""
     engine = HFMoEEngine.from_config(seed=0)
     prompts = _prompts(args.requests, args.prompt_len)
 
@@ -56,6 +63,8 @@ def bench_engine(args: argparse.Namespace) -> dict[str, Any]:
         outs = engine.generate_sync(reqs)
         dt = time.perf_counter() - t0
         rows = sum(o.routed_experts.shape[0] for o in outs if o.routed_experts is not None)
+        if capture:
+            samples["requests"], samples["outputs"] = reqs, outs
         return dt, [o.token_ids for o in outs], rows
 
     run(False)  # warm-up
@@ -79,7 +88,66 @@ def bench_engine(args: argparse.Namespace) -> dict[str, Any]:
         "off_tok_per_s": generated / off,
         "on_tok_per_s": generated / on,
         "overhead": on / off - 1.0,
+        # Each repeat's on/off pair ran back to back: their ratio cancels the slower
+        # drifts (another process, a frequency change) that the two medians do not.
+        "overhead_paired": statistics.median(
+            a / b for a, b in zip(times[True], times[False], strict=True)
+        )
+        - 1.0,
     }
+
+
+def bench_split(args: argparse.Namespace, samples: dict[str, Any]) -> dict[str, Any]:
+    """Packing and client decode of the 64 replies, routes on vs off, alternated."""
+    import dataclasses
+
+    from inference.client.client import _parse_generate_reply
+    from inference.server.render import render_generate_reply
+
+    reqs, outs = samples["requests"], samples["outputs"]
+    plain = [dataclasses.replace(r, return_routed_experts=False) for r in reqs]
+    bare = [dataclasses.replace(o, routed_experts=None) for o in outs]
+
+    def pack(on: bool) -> tuple[float, list[bytes]]:
+        t0 = time.perf_counter()
+        if on:  # what training asks for: routes and the fully packed body
+            bodies = [
+                render_generate_reply(o, r, model="m", side_channels=True, packed_body=True)[0]
+                for o, r in zip(outs, reqs, strict=True)
+            ]
+        else:
+            bodies = [
+                render_generate_reply(o, r, model="m", side_channels=False)[0]
+                for o, r in zip(bare, plain, strict=True)
+            ]
+        return time.perf_counter() - t0, bodies
+
+    def decode(on: bool, bodies: list[bytes]) -> float:
+        t0 = time.perf_counter()
+        for body, r in zip(bodies, reqs, strict=True):
+            _parse_generate_reply(
+                body,
+                packed=on,
+                want_routes=on,
+                want_support=False,
+                packed_body=on,
+                prompt_route_rows=len(r.prompt_token_ids) - 1 if on else None,
+            )
+        return time.perf_counter() - t0
+
+    times: dict[str, dict[bool, list[float]]] = {"pack": {}, "decode": {}}
+    sizes: dict[bool, int] = {}
+    for _ in range(args.repeats):
+        for on in (False, True):
+            dt, bodies = pack(on)
+            times["pack"].setdefault(on, []).append(dt)
+            times["decode"].setdefault(on, []).append(decode(on, bodies))
+            sizes[on] = sum(len(b) for b in bodies)
+    out: dict[str, Any] = {"body_bytes_off": sizes[False], "body_bytes_on": sizes[True]}
+    for part, by_arm in times.items():
+        off, on = statistics.median(by_arm[False]), statistics.median(by_arm[True])
+        out[f"{part}_off_s"], out[f"{part}_on_s"], out[f"{part}_extra_s"] = off, on, on - off
+    return out
 
 
 async def _http(args: argparse.Namespace) -> dict[str, Any]:
@@ -99,6 +167,7 @@ async def _http(args: argparse.Namespace) -> dict[str, Any]:
                         {"max_tokens": args.max_tokens, "seed": i, "temperature": 1.0},
                         return_routed_experts=capture,
                         routed_experts_prompt_start=0 if capture else None,
+                        return_packed_body=capture,  # as training asks (generators)
                     )
                     for i, p in enumerate(prompts)
                 ]
@@ -150,6 +219,12 @@ async def _http(args: argparse.Namespace) -> dict[str, Any]:
         "off_tok_per_s": generated / off,
         "on_tok_per_s": concurrent_tps,
         "overhead": on / off - 1.0,
+        # Each repeat's on/off pair ran back to back: their ratio cancels the slower
+        # drifts (another process, a frequency change) that the two medians do not.
+        "overhead_paired": statistics.median(
+            a / b for a, b in zip(times[True], times[False], strict=True)
+        )
+        - 1.0,
         "sequential_requests": seq_n,
         "sequential_tok_per_s": sequential_tps,
         "concurrency_speedup": concurrent_tps / sequential_tps,
@@ -161,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--skip-http", action="store_true", help="engine-level figures only")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
@@ -170,7 +245,11 @@ def main(argv: list[str] | None = None) -> int:
 
     import transformers
 
+    from skyrl_train.utils.cpu_topology import cpu_model
+
+    samples: dict[str, Any] = {}
     report: dict[str, Any] = {
+        "cpu": cpu_model(),
         "python": platform.python_version(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
@@ -183,15 +262,28 @@ def main(argv: list[str] | None = None) -> int:
             "repeats": args.repeats,
             "model": "TinyMoEConfig() bf16",
         },
-        "engine": bench_engine(args),
+        "engine": bench_engine(args, samples),
     }
+    report["split"] = bench_split(args, samples)
     if not args.skip_http:
         report["http"] = asyncio.run(_http(args))
+        h, e, sp = report["http"], report["engine"], report["split"]
+        base = h["off_s"]["median"]
+        extra = h["on_s"]["median"] - base
+        capture = e["on_s"]["median"] - e["off_s"]["median"]
+        rest = extra - capture - sp["pack_extra_s"] - sp["decode_extra_s"]
+        report["http_split_pct"] = {
+            "total": 100 * extra / base,
+            "capture": 100 * capture / base,
+            "packing": 100 * sp["pack_extra_s"] / base,
+            "client_decode": 100 * sp["decode_extra_s"] / base,
+            "transfer_and_rest": 100 * rest / base,
+        }
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
     print(
-        f"python {report['python']}  torch {report['torch']}  transformers "
+        f"{report['cpu']}  python {report['python']}  torch {report['torch']}  transformers "
         f"{report['transformers']}  threads {report['torch_threads']}"
     )
     print(f"workload: {report['workload']}")
@@ -203,7 +295,20 @@ def main(argv: list[str] | None = None) -> int:
             f"[{name}] off {r['off_tok_per_s']:.0f} tok/s (median {r['off_s']['median']:.3f} s, "
             f"{r['off_s']['min']:.3f}-{r['off_s']['max']:.3f})  on {r['on_tok_per_s']:.0f} tok/s "
             f"(median {r['on_s']['median']:.3f} s, {r['on_s']['min']:.3f}-{r['on_s']['max']:.3f})"
-            f"  R3 overhead {100 * r['overhead']:+.1f}%  (tokens identical: yes)"
+            f"  R3 overhead {100 * r['overhead']:+.1f}% (median of paired repeats "
+            f"{100 * r['overhead_paired']:+.1f}%)  (tokens identical: yes)"
+        )
+    sp = report["split"]
+    print(
+        f"[split] packing {sp['pack_off_s'] * 1e3:.1f} -> {sp['pack_on_s'] * 1e3:.1f} ms, "
+        f"client decode {sp['decode_off_s'] * 1e3:.1f} -> {sp['decode_on_s'] * 1e3:.1f} ms, "
+        f"bodies {sp['body_bytes_off'] / 1e6:.2f} -> {sp['body_bytes_on'] / 1e6:.2f} MB"
+    )
+    if "http_split_pct" in report:
+        parts = report["http_split_pct"]
+        print(
+            "[http] overhead split, % of the off arm's time: "
+            + ", ".join(f"{name} {value:+.1f}" for name, value in parts.items())
         )
     if "http" in report:
         h = report["http"]

@@ -42,6 +42,7 @@ from inference.client.results import (
     GenerateRequest,
     GenerateResult,
     parse_choice,
+    reply_policy_version,
     single_choice,
 )
 from inference.client.retry import RetryPolicy, call_with_retry
@@ -251,6 +252,7 @@ class RemoteGenerateClient:
                         routed_experts_prompt_start=request.routed_experts_prompt_start,
                         return_sample_support=request.return_sample_support,
                         session_id=request.session_id,
+                        return_packed_body=request.return_packed_body,
                     )
                 except BaseException:
                     failed = True
@@ -265,11 +267,33 @@ class RemoteGenerateClient:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def update_weights(self, named_tensors: Mapping[str, Any]) -> int:
+    async def update_weights(
+        self,
+        named_tensors: Mapping[str, Any],
+        *,
+        policy_version: int | None = None,
+        commit: bool = True,
+    ) -> int:
         """Send named tensors (engine layout) as one safetensors body; returns the count
-        the engine loaded. Idempotent, so it is retried like generate."""
+        the engine loaded (0 for a staged upload). Idempotent, so it is retried like
+        generate.
+
+        ``policy_version`` is sent as ``X-Policy-Version``: the version the weights
+        become once committed. ``commit=False`` (``X-Weight-Commit: false``) stages the
+        upload on the server until a committing one loads everything staged in one step
+        (``inference.server.weights_upload``).
+        """
         from safetensors.torch import save
 
+        if policy_version is not None and (type(policy_version) is not int or policy_version < 0):
+            raise ValueError(
+                f"policy_version: expected None or an int >= 0, got {policy_version!r}"
+            )
+        headers: dict[str, str] = {}
+        if policy_version is not None:
+            headers["X-Policy-Version"] = str(policy_version)
+        if policy_version is not None or not commit:
+            headers["X-Weight-Commit"] = "true" if commit else "false"
         body = save({name: t.detach().contiguous() for name, t in named_tensors.items()})
 
         def parse(raw: bytes) -> int:
@@ -285,6 +309,7 @@ class RemoteGenerateClient:
             parse,
             content_type="application/octet-stream",
             max_reply_bytes=SMALL_REPLY_BYTES,
+            headers=headers,
         )
 
     async def health(self) -> dict[str, Any]:
@@ -308,9 +333,16 @@ class RemoteGenerateClient:
         *,
         content_type: str,
         max_reply_bytes: int,
+        headers: Mapping[str, str] | None = None,
     ) -> T:
         return await self._request(
-            "POST", path, body, parse, content_type=content_type, max_reply_bytes=max_reply_bytes
+            "POST",
+            path,
+            body,
+            parse,
+            content_type=content_type,
+            max_reply_bytes=max_reply_bytes,
+            headers=headers,
         )
 
     async def _request(
@@ -322,17 +354,20 @@ class RemoteGenerateClient:
         *,
         content_type: str | None,
         max_reply_bytes: int,
+        headers: Mapping[str, str] | None = None,
     ) -> T:
         session = self._ensure_session()
         url = self.base_url + path
-        headers = {"Content-Type": content_type} if content_type else None
+        sent = dict(headers or {})
+        if content_type:
+            sent["Content-Type"] = content_type
         what = f"{method} {url}"
 
         async def attempt(timeout_s: float) -> T:
             timeout = aiohttp.ClientTimeout(total=timeout_s)
             try:
                 async with session.request(
-                    method, url, data=body, headers=headers, timeout=timeout
+                    method, url, data=body, headers=sent or None, timeout=timeout
                 ) as response:
                     raw = await read_capped(response, max_reply_bytes)
                     status = response.status
@@ -377,8 +412,11 @@ def _parse_generate_reply(
 ) -> GenerateResult:
     """``prompt_route_rows`` = P - s - 1: route rows expected besides one per new token."""
     if not packed:
-        choice, clamped = single_choice(loads_or_retry(raw, 200))
-        return parse_choice(choice, num_clamped_logprobs=clamped)
+        reply = loads_or_retry(raw, 200)
+        choice, clamped = single_choice(reply)
+        result = parse_choice(choice, num_clamped_logprobs=clamped)
+        result.policy_version = reply_policy_version(reply)
+        return result
     try:
         body = load_packed_body(raw)
     except WireError as exc:
@@ -391,6 +429,7 @@ def _parse_generate_reply(
         result = decode_packed_choice(choice, num_clamped_logprobs=clamped)
     else:
         result = parse_choice(choice, num_clamped_logprobs=clamped)
+    result.policy_version = reply_policy_version(body)
     decode_side_channels(
         choice,
         result,

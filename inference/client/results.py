@@ -26,6 +26,7 @@ class GenerateRequest:
     routed_experts_prompt_start: int | None = None
     return_sample_support: bool | int = False
     session_id: str | None = None
+    return_packed_body: bool = False
 
 
 @dataclass
@@ -49,6 +50,9 @@ class GenerateResult:
     sample_support_logprobs: np.ndarray | None = None
     num_clamped_logprobs: int = 0
     """How many of this reply's logprobs the server clamped to -9999.0."""
+    policy_version: int | None = None
+    """The server's policy version when it generated this reply; None when the reply
+    has no ``policy_version`` (a server from before versions)."""
 
 
 def _fail(path: str, expected: str, got: Any) -> GenerateProtocolError:
@@ -70,6 +74,16 @@ def single_choice(body: Any) -> tuple[dict[str, Any], int]:
     if isinstance(clamped, bool) or not isinstance(clamped, int) or clamped < 0:
         raise _fail("$.num_clamped_logprobs", "an int >= 0", clamped)
     return choice, clamped
+
+
+def reply_policy_version(body: dict[str, Any]) -> int | None:
+    """``$.policy_version`` of a reply: an int >= 0, or None when absent."""
+    if "policy_version" not in body:
+        return None
+    version = body["policy_version"]
+    if type(version) is not int or version < 0:
+        raise _fail("$.policy_version", "an int >= 0", version)
+    return version
 
 
 def parse_choice(choice: dict[str, Any], *, num_clamped_logprobs: int) -> GenerateResult:

@@ -101,6 +101,9 @@ class EngineOutput:
     """"stop" (a stop token was sampled, and is included) or "length"."""
     logprobs: list[float]
     """Logprob of each sampled token under the sampling distribution's model logits."""
+    policy_version: int
+    """The engine's policy version when this output's batch ran; one batch runs under
+    one version (weights are never loaded in the middle of a batch)."""
     routed_experts: np.ndarray | None = None
     """[P - start + G - 1, layers, topk] integer expert ids when requested: row i is the
     routing of token start+i when it was fed. The last sampled token was never fed."""
@@ -132,8 +135,24 @@ class InferenceEngine(Protocol):
         """Generate for a batch of requests; one output per request, in order."""
         ...
 
-    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
-        """Load weights named in the engine's own layout; returns how many were loaded."""
+    @property
+    def policy_version(self) -> int:
+        """The policy version of the weights serving now: 0 at start, then the version
+        named by the last ``load_weights`` that named one."""
+        ...
+
+    def load_weights(
+        self,
+        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        *,
+        policy_version: int | None = None,
+    ) -> int:
+        """Load weights named in the engine's own layout; returns how many were loaded.
+
+        With ``policy_version`` (an int >= the current one) the engine's version becomes
+        it in the same step: no output is ever tagged with a version whose weights were
+        not all loaded, nor comes from weights half loaded. Without, it is unchanged.
+        """
         ...
 
     async def close(self) -> None: ...

@@ -109,11 +109,14 @@ def run_batch(
     capture: RouteCapture,
     eos_token_ids: Sequence[int],
     pad_token_id: int,
+    policy_version: int,
 ) -> list[EngineOutput]:
     """Generates for already-validated ``requests`` in one left-padded batch.
 
     ``eos_token_ids`` all stop a request unless it sets ``ignore_eos`` (a chat checkpoint
     ends a turn at ``<|im_end|>`` and a document at ``<|endoftext|>``); empty: none do.
+    ``policy_version`` tags every output: the caller holds the model for the whole run,
+    so it is the version of every weight the batch used.
     """
     batch = len(requests)
     lengths = [len(r.prompt_token_ids) for r in requests]
@@ -228,6 +231,7 @@ def run_batch(
             token_ids=tokens_buf[b, :g].tolist(),
             finish_reason="stop" if bool(finished_stop[b]) else "length",
             logprobs=logprob_buf[b, :g].tolist(),
+            policy_version=policy_version,
         )
         if req.return_routed_experts and prefill_routes is not None and step_routes is not None:
             first = longest - lengths[b] + req.routed_experts_prompt_start

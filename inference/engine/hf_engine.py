@@ -23,6 +23,7 @@ from inference.engine.base import EngineInfo, EngineOutput, EngineRequest
 from inference.engine.capture import RouteCapture
 from inference.engine.decode import run_batch, validate_request
 from inference.engine.weights import export_weights, load_named_tensors, parameter_shapes
+from inference.errors import RequestValidationError
 from inference.models.architecture import MoEArchitecture
 from inference.models.batch_invariant import enable_batch_invariance
 from inference.models.families import family_named
@@ -121,6 +122,8 @@ class HFMoEEngine:
         # One worker thread: the model and its hooks are not safe to run concurrently.
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moe-engine")
         self._model_lock = threading.Lock()
+        # Read and written under _model_lock only, so a batch runs under one version.
+        self._policy_version = 0
         self._pending: list[tuple[EngineRequest, asyncio.Future[EngineOutput]]] = []
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wake: asyncio.Event | None = None
@@ -232,11 +235,40 @@ class HFMoEEngine:
         self._wake.set()
         return list(await asyncio.gather(*futures))
 
-    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
-        """Loads engine-layout tensors between batches; see ``load_named_tensors``."""
+    @property
+    def policy_version(self) -> int:
+        """The policy version of the weights serving now (0 at start)."""
+        return self._policy_version
+
+    def load_weights(
+        self,
+        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        *,
+        policy_version: int | None = None,
+    ) -> int:
+        """Loads engine-layout tensors between batches; see ``load_named_tensors``.
+
+        With ``policy_version`` the version changes under the same model lock as the
+        copy, once every tensor is in: a batch (which holds that lock for its whole
+        run) sees the old weights and version or the new ones, never a mix. A version
+        below the current one is a ``RequestValidationError`` (status 409), and nothing
+        is loaded then.
+        """
         self._check_open()
+        if policy_version is not None and (type(policy_version) is not int or policy_version < 0):
+            raise RequestValidationError("policy_version", "an int >= 0", policy_version)
         with self._model_lock:
-            return load_named_tensors(self.model, named_tensors)
+            if policy_version is not None and policy_version < self._policy_version:
+                raise RequestValidationError(
+                    "policy_version",
+                    f"an int >= {self._policy_version} (the engine's version)",
+                    policy_version,
+                    status=409,
+                )
+            count = load_named_tensors(self.model, named_tensors)
+            if policy_version is not None:
+                self._policy_version = policy_version
+            return count
 
     def parameter_shapes(self) -> dict[str, tuple[int, ...]]:
         """What ``load_weights`` accepts (``DescribesWeights``), without copying."""
@@ -275,6 +307,7 @@ class HFMoEEngine:
                 capture=self.capture,
                 eos_token_ids=self.eos_token_ids,
                 pad_token_id=self.pad_token_id,
+                policy_version=self._policy_version,
             )
 
     def _ensure_dispatcher(self, loop: asyncio.AbstractEventLoop) -> None:

@@ -21,6 +21,7 @@ Routes
     Reply::
 
         {"model": str, "num_clamped_logprobs": int,
+         "policy_version": int,   # the engine's version when this reply's batch ran
          "choices": [{"index": 0, "token_ids": [...], "finish_reason": "stop" | "length",
                       "logprobs": {"content": [{"logprob": x}, ...]},
                       "routed_experts": envelope | null,             # [P-s+G-1, L, K]
@@ -34,7 +35,8 @@ Routes
 ``POST /inference/v1/generate``
     The same without side channels: a ``return_*`` key that asks for one is refused
     (false is accepted), and the choice carries only ``token_ids``, ``finish_reason``,
-    ``logprobs``.
+    ``logprobs``. Both routes' replies carry ``policy_version``: a whole batch runs
+    under one version, so a reply never comes from half-updated weights.
 ``POST /skyrl/v1/update_weights``
     ``Content-Type: application/octet-stream``. Body: a safetensors file of named
     tensors in the engine's layout, any subset of its parameters, each once, with the
@@ -42,10 +44,16 @@ Routes
     size as F32 plus a header (413 on a larger Content-Length, before reading it). The
     header is checked whole before any tensor data is read, every value must be finite
     in the engine's dtype, and uploads load one at a time, all or nothing: on any 4xx
-    the old weights keep serving. Reply ``{"num_loaded": int}``. Details:
+    the old weights keep serving. Headers ``X-Policy-Version: <int >= 0>`` (the version
+    the weights become; lower than the current one: 409) and ``X-Weight-Commit: true |
+    false`` (default true; false stages the upload until a commit loads everything staged
+    in one step) let one push span several uploads atomically; without them an upload
+    loads at once and the version is unchanged. Reply ``{"num_loaded": int,
+    "num_staged": int, "policy_version": int | null}``. Details:
     ``inference.server.weights_upload``.
 ``GET /health``
-    ``{"status": "ok", "model", "engine": {...}, "counters": {...}}``; needs no token.
+    ``{"status": "ok", "model", "policy_version": int | null, "engine": {...},
+    "counters": {...}}``; needs no token.
 
 Every error is ``{"error": {"message", "type", "field"?}}`` with a 4xx/5xx status; a
 request that fails validation names its field (expected, got) and the server keeps
@@ -81,7 +89,11 @@ from inference.server.validation import (
     check_content_type,
     parse_generate_request,
 )
-from inference.server.weights_upload import receive_weights
+from inference.server.weights_upload import (
+    StagedWeights,
+    engine_policy_version,
+    receive_weights,
+)
 
 __all__ = ["ServerConfig", "ServerCounters", "build_app", "error_response"]
 
@@ -111,6 +123,7 @@ _CONFIG = web.AppKey("config", ServerConfig)
 _LIMITS = web.AppKey("limits", RequestLimits)
 _COUNTERS = web.AppKey("counters", ServerCounters)
 _WEIGHT_LOCK = web.AppKey("weight_lock", asyncio.Lock)
+_STAGED = web.AppKey("staged_weights", StagedWeights)
 
 
 def build_app(engine: InferenceEngine, config: ServerConfig) -> web.Application:
@@ -140,6 +153,7 @@ def build_app(engine: InferenceEngine, config: ServerConfig) -> web.Application:
     app[_LIMITS] = limits
     app[_COUNTERS] = counters
     app[_WEIGHT_LOCK] = asyncio.Lock()
+    app[_STAGED] = StagedWeights()
     app.router.add_post(SKYRL_GENERATE, _generate_handler(allow_side_channels=True))
     app.router.add_post(PLAIN_GENERATE, _generate_handler(allow_side_channels=False))
     app.router.add_post(UPDATE_WEIGHTS, _update_weights)
@@ -305,10 +319,11 @@ def _generate_handler(*, allow_side_channels: bool) -> Handler:
 async def _update_weights(request: web.Request) -> web.Response:
     app = request.app
     try:
-        count = await receive_weights(
+        outcome = await receive_weights(
             request,
             app[_ENGINE],
             lock=app[_WEIGHT_LOCK],
+            staged=app[_STAGED],
             header_deadline=read_deadline(request, app[_CONFIG].request_read_timeout_s),
             data_timeout_s=app[_CONFIG].weight_read_timeout_s,
         )
@@ -319,8 +334,11 @@ async def _update_weights(request: web.Request) -> web.Response:
         # whole (a truncated "got" would cut off exactly that name).
         app[_COUNTERS].rejected += 1
         return error_response(400, f"body: {exc}", "WeightUpdateError")
-    app[_COUNTERS].weight_updates += 1
-    return web.Response(body=orjson.dumps({"num_loaded": count}), content_type="application/json")
+    if outcome.num_loaded:
+        app[_COUNTERS].weight_updates += 1  # a staged upload changes nothing yet
+    return web.Response(
+        body=orjson.dumps(dataclasses.asdict(outcome)), content_type="application/json"
+    )
 
 
 async def _health(request: web.Request) -> web.Response:
@@ -328,6 +346,7 @@ async def _health(request: web.Request) -> web.Response:
     document = {
         "status": "ok",
         "model": app[_LIMITS].model_name,
+        "policy_version": engine_policy_version(app[_ENGINE]),
         "engine": dataclasses.asdict(app[_ENGINE].info),
         "counters": dataclasses.asdict(app[_COUNTERS]),
     }

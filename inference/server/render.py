@@ -20,6 +20,9 @@ def render_generate_reply(
 ) -> tuple[bytes, int]:
     """The reply body and how many sampled logprobs were clamped to -9999.0.
 
+    The reply's top-level ``policy_version`` is the engine's version when the output's
+    batch ran (``EngineOutput.policy_version``), not the version serving now.
+
     With ``side_channels`` the choice carries every registered side-channel key, each
     an envelope when requested and null otherwise; without, none of them. With
     ``packed_body`` the token ids and sampled logprobs travel as 1-D envelopes
@@ -58,6 +61,11 @@ def render_generate_reply(
             output.sample_support_logprobs if support else None
         )
     body = dumps_generate_response(
-        [choice], extra={"model": model, "num_clamped_logprobs": clamped}
+        [choice],
+        extra={
+            "model": model,
+            "num_clamped_logprobs": clamped,
+            "policy_version": output.policy_version,
+        },
     )
     return body, clamped

@@ -244,6 +244,19 @@ class WeightSyncConfig:
 
 
 @dataclass
+class FullyAsyncConfig:
+    """Overlap generation with training (SkyRL's keys). Generation for the next steps
+    runs while a step trains, and weights are pushed between steps; each trajectory
+    carries the policy version the servers generated it with."""
+
+    enabled: bool = False
+    max_staleness_steps: int = setting(1, ge=1)
+    """How many versions older than the one that trains on it a trajectory's oldest
+    turn may be: step k trains version k-1 on turns of version >= k-1-this. Generation
+    for step k waits for version k-1-this, so the bound holds by construction."""
+
+
+@dataclass
 class TrainerConfig:
     seed: int = 0
     num_steps: int = setting(150, ge=1)
@@ -276,6 +289,7 @@ class TrainerConfig:
     ref: RefConfig = field(default_factory=RefConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
+    fully_async: FullyAsyncConfig = field(default_factory=FullyAsyncConfig)
 
 
 # -------------------------------------------------------------------- ray and logging

@@ -54,7 +54,9 @@ class Job:
                 start = await self.loop.load_checkpoint(self.cfg.trainer.resume_from)
             # The servers built their own bf16 copy; pushing the trainer's weights first
             # makes rollout and trainer start from the same tensors, resumed runs included.
-            await self.policy.push_weights(self.server_urls, api_key=self.api_key)
+            await self.policy.push_weights(
+                self.server_urls, api_key=self.api_key, policy_version=start
+            )
             return await self.loop.run(start_step=start)
 
         return asyncio.run(go())

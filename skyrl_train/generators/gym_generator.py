@@ -61,6 +61,8 @@ class _Trajectory:
     """None until a step's metadata reports ``solved``; then True once any step did."""
     trace: RoutedExpertTrace | None = None
     routes: np.ndarray | None = None
+    versions: list[int | None] = field(default_factory=list)
+    """The policy version each turn's reply reported (None: the server sent none)."""
 
     @property
     def tokens(self) -> list[int]:
@@ -194,6 +196,8 @@ class GymGenerator:
             traj.append(generated, mask=1, logprobs=result.logprobs)
             traj.turns += 1
             traj.length_finishes += result.finish_reason == "length"
+            # A client result without the field (a stand-in, an older client) has no version.
+            traj.versions.append(getattr(result, "policy_version", None))
             step = env.step(self.tokenizer.decode(generated, skip_special_tokens=True))
             traj.reward += float(step.reward)
             if "solved" in step.metadata:
@@ -271,6 +275,7 @@ class GymGenerator:
         with_logprobs = all(t.logprobs is not None for t in trajs)
         routes = [t.routes for t in trajs] if self.return_routed_experts else None
         reported = any(t.solved is not None for t in trajs)
+        spans = [_version_span(t.versions) for t in trajs]
         return GeneratorOutput(
             prompt_token_ids=[t.prompt_ids for t in trajs],
             response_ids=[t.response_ids for t in trajs],
@@ -282,7 +287,17 @@ class GymGenerator:
             rollout_logprobs=[t.logprobs for t in trajs] if with_logprobs else None,  # type: ignore[misc]
             routed_experts=routes,  # type: ignore[arg-type]
             solved=[t.solved for t in trajs] if reported else None,
+            policy_versions=None if None in spans else spans,  # type: ignore[arg-type]
         )
+
+
+def _version_span(versions: list[int | None]) -> tuple[int, int] | None:
+    """(oldest, newest) policy version of a trajectory's turns; None if any turn's
+    server reported none."""
+    known = [v for v in versions if v is not None]
+    if not known or len(known) != len(versions):
+        return None
+    return min(known), max(known)
 
 
 def _request_seed(seed: int, call: int, index: int, turn: int) -> int:

@@ -14,6 +14,8 @@ and verified on resume (``checkpoint.py``); ``trainer.max_ckpts_to_keep`` bounds
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import json
 import logging
 import random
@@ -78,6 +80,7 @@ LINE_KEYS = (
     ("timing/collate_s", "t_collate"),
     ("timing/train_s", "t_train"),
     ("timing/sync_s", "t_sync"),
+    ("async/staleness_max", "stale_max"),
 )
 
 
@@ -106,6 +109,10 @@ class GRPOLoop:
         self.api_key = api_key
         self.run_dir = Path(cfg.trainer.run_dir)
         self.datasets = datasets if datasets is not None else load_datasets(cfg)
+        self.version = 0
+        """The policy version the servers hold: the last step whose weights were pushed."""
+        self._version_changed: asyncio.Condition | None = None
+        """Made per ``run``: asyncio primitives bind to the event loop that first uses them."""
 
     # ---- the run ---------------------------------------------------------------------
 
@@ -125,9 +132,26 @@ class GRPOLoop:
             disable=not self.cfg.logging.progress_bar,
         )
         history = []
+        # The servers hold version start_step (the launch pushed it); each step's push
+        # makes it that step's number.
+        self.version = start_step
+        self._version_changed = asyncio.Condition()
+        steps = range(start_step + 1, t.num_steps + 1)
+        rollouts = self._rollouts_ahead(steps, clients) if t.fully_async.enabled else None
         try:
-            for step in range(start_step + 1, t.num_steps + 1):
-                metrics = await self.train_step(step, clients)
+            for step in steps:
+                started = time.perf_counter()
+                if rollouts is None:
+                    rollout = await self.rollout(step, clients)
+                else:
+                    rollout = await rollouts.next()
+                    waited = time.perf_counter() - started
+                metrics = await self.learn(step, rollout)
+                # The step's wall time: generation included when it ran in line, only the
+                # wait for it when it ran ahead (fully async).
+                metrics["timing/step_s"] = time.perf_counter() - started
+                if rollouts is not None:
+                    metrics["timing/wait_rollout_s"] = waited
                 if t.eval_interval and (step % t.eval_interval == 0 or step == t.num_steps):
                     metrics.update(await self.evaluate(clients))
                 tracker.log(step, metrics)
@@ -139,14 +163,47 @@ class GRPOLoop:
                 if t.ckpt_interval and step % t.ckpt_interval == 0:
                     await self.save_checkpoint(step)
         finally:
+            if rollouts is not None:
+                await rollouts.close()
             bar.close()
             tracker.close()
             await asyncio.gather(*(c.close() for c in clients))
         return history
 
+    def _rollouts_ahead(self, steps: range, clients: list[Any]) -> _RolloutsAhead:
+        """Fully async: a task generating the steps' rollouts in order, each as soon as
+        the servers' policy is recent enough for it (``max_staleness_steps``)."""
+        bound = self.cfg.trainer.fully_async.max_staleness_steps
+
+        async def produce(queue: asyncio.Queue[Rollout]) -> None:
+            for step in steps:
+                # Step k trains version k-1; its oldest turn may be `bound` versions older.
+                await self._wait_for_version(step - 1 - bound)
+                await queue.put(await self.rollout(step, clients))
+
+        return _RolloutsAhead(produce, maxsize=bound)
+
+    async def _wait_for_version(self, version: int) -> None:
+        assert self._version_changed is not None, "run() makes it"
+        async with self._version_changed:
+            await self._version_changed.wait_for(lambda: self.version >= version)
+
+    async def _set_version(self, version: int) -> None:
+        if version < self.version:
+            raise RuntimeError(f"policy version: expected >= {self.version}, got {version}")
+        self.version = version
+        if self._version_changed is not None:
+            async with self._version_changed:
+                self._version_changed.notify_all()
+
     async def train_step(self, step: int, clients: list[Any]) -> dict[str, float]:
-        cfg = self.cfg
-        n = cfg.generator.n_samples_per_prompt
+        """One synchronous step: generate with the current policy, then learn."""
+        return await self.learn(step, await self.rollout(step, clients))
+
+    async def rollout(self, step: int, clients: list[Any]) -> Rollout:
+        """Step ``step``'s trajectories (dynamic sampling included) and the signals that
+        describe the policy's own samples."""
+        n = self.cfg.generator.n_samples_per_prompt
         started = time.perf_counter()
         tasks, output = await self._generate(step, clients, round=0)
         # Reward, success and flat-group share describe the policy's own samples (the
@@ -157,8 +214,14 @@ class GRPOLoop:
                 torch.as_tensor(output.rewards), contiguous_groups(len(output.rewards), n)
             )
         trained_on = await self._dynamic_sampling(step, clients, output, signals)
-        generated = time.perf_counter()
-        batch = convert_to_training_batch(trained_on, pad_token_id=self.pad_token_id)
+        return Rollout(tasks, output, trained_on, signals, time.perf_counter() - started)
+
+    async def learn(self, step: int, rollout: Rollout) -> dict[str, float]:
+        """Train on ``rollout`` and push the new weights as policy version ``step``."""
+        cfg = self.cfg
+        n = cfg.generator.n_samples_per_prompt
+        started = time.perf_counter()
+        batch = convert_to_training_batch(rollout.trained_on, pad_token_id=self.pad_token_id)
         algo = cfg.trainer.algorithm
         advantages = compute_advantages(
             algo.advantage_estimator,
@@ -172,20 +235,26 @@ class GRPOLoop:
         # Raises NonFiniteError on a NaN/inf loss, grad norm or weight: nothing is pushed.
         metrics = dict(await self.policy.train(batch, advantages, step=step))
         trained = time.perf_counter()
-        metrics.update(await self.policy.push_weights(self.server_urls, api_key=self.api_key))
+        metrics.update(
+            await self.policy.push_weights(
+                self.server_urls, api_key=self.api_key, policy_version=step
+            )
+        )
+        await self._set_version(step)
         synced = time.perf_counter()
-        metrics.update(signals)
-        metrics.update(_rollout_metrics(output))
-        sources = [task.data_source for task in tasks for _ in range(n)]
+        metrics.update(rollout.signals)
+        metrics.update(_rollout_metrics(rollout.output))
+        metrics.update(_staleness_metrics(rollout.trained_on, trained_version=step - 1))
+        sources = [task.data_source for task in rollout.tasks for _ in range(n)]
         if len(set(sources)) > 1:
-            metrics.update(_reward_by_source("reward", sources, output.rewards))
+            metrics.update(_reward_by_source("reward", sources, rollout.output.rewards))
         metrics.update(
             {
-                "timing/generate_s": generated - started,
-                "timing/collate_s": collated - generated,
+                "timing/generate_s": rollout.generate_s,
+                "timing/collate_s": collated - started,
                 "timing/train_s": trained - collated,
                 "timing/sync_s": synced - trained,
-                "timing/step_s": synced - started,
+                "timing/step_s": synced - started + rollout.generate_s,
             }
         )
         return metrics
@@ -342,3 +411,55 @@ def _rollout_metrics(output: GeneratorOutput) -> dict[str, float]:
         metrics["reward/success_rate"] = solved
     metrics.update({k: float(v) for k, v in output.rollout_metrics.items()})
     return metrics
+
+
+@dataclasses.dataclass
+class Rollout:
+    """One step's generation, ready to learn from."""
+
+    tasks: list[skyrl_gym.Task]
+    output: GeneratorOutput
+    """The policy's own samples (the first round)."""
+    trained_on: GeneratorOutput
+    """What the step trains on (dynamic sampling may have replaced or added groups)."""
+    signals: dict[str, float]
+    generate_s: float
+
+
+class _RolloutsAhead:
+    """A producer task filling a bounded queue; ``next`` re-raises the producer's
+    failure, ``close`` cancels it (Ctrl-C or an error in a step stop generation too)."""
+
+    def __init__(self, produce: Any, *, maxsize: int) -> None:
+        self.queue: asyncio.Queue[Rollout] = asyncio.Queue(maxsize=maxsize)
+        self.task = asyncio.get_running_loop().create_task(produce(self.queue))
+
+    async def next(self) -> Rollout:
+        getter = asyncio.ensure_future(self.queue.get())
+        done, _ = await asyncio.wait({getter, self.task}, return_when=asyncio.FIRST_COMPLETED)
+        if getter in done:
+            return getter.result()
+        getter.cancel()
+        self.task.result()  # raises the producer's exception
+        raise RuntimeError("rollouts: expected one more step, got the producer's end")
+
+    async def close(self) -> None:
+        self.task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self.task
+
+
+def _staleness_metrics(output: GeneratorOutput, *, trained_version: int) -> dict[str, float]:
+    """How many versions older than the trained policy each trajectory's oldest turn
+    is, and how many trajectories a weight push landed in (fully async)."""
+    if output.policy_versions is None:
+        return {}
+    oldest = np.asarray([v[0] for v in output.policy_versions], dtype=np.float64)
+    spans = [v[1] != v[0] for v in output.policy_versions]
+    staleness = trained_version - oldest
+    return {
+        "async/staleness_mean": float(staleness.mean()),
+        "async/staleness_max": float(staleness.max()),
+        "async/spanning_push_frac": float(np.mean(spans)),
+        "async/trained_version": float(trained_version),
+    }

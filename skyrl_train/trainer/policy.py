@@ -399,9 +399,13 @@ class PolicyTrainer:
 
     # ---- weights and checkpoints ----------------------------------------------------
 
-    def push_weights(self, urls: list[str], *, api_key: str | None = None) -> dict[str, float]:
-        """Send the weights to ``urls``. A rank given no URLs still runs the export when
-        experts are sharded: the export gathers them over the EP group in lockstep."""
+    def push_weights(
+        self, urls: list[str], *, api_key: str | None = None, policy_version: int | None = None
+    ) -> dict[str, float]:
+        """Send the weights to ``urls``; with ``policy_version`` each server loads the
+        whole push in one step as that version (``WeightSyncer.push``). A rank given no
+        URLs still runs the export when experts are sharded: the export gathers them
+        over the EP group in lockstep."""
         from inference.client import RemoteGenerateClient
 
         if not urls:
@@ -413,7 +417,9 @@ class PolicyTrainer:
         async def push() -> dict[str, float]:
             clients = [RemoteGenerateClient(url, api_key=api_key) for url in urls]
             try:
-                stats = await self.syncer.push(clients, self.worker.export_weights())
+                stats = await self.syncer.push(
+                    clients, self.worker.export_weights(), policy_version=policy_version
+                )
             finally:
                 await asyncio.gather(*(c.close() for c in clients))
             return {

@@ -127,10 +127,14 @@ class PolicyGroup:
         return combine_rank_metrics([seen[r] for r in sorted(seen)])
 
     async def push_weights(
-        self, urls: list[str], *, api_key: str | None = None
+        self, urls: list[str], *, api_key: str | None = None, policy_version: int | None = None
     ) -> dict[str, float]:
+        """Rank 0 sends the weights to ``urls`` (the others join the export); with
+        ``policy_version`` the servers switch to that version atomically."""
         stats = await _all(
-            actor.push_weights.remote(urls if rank == 0 else [], api_key=api_key)
+            actor.push_weights.remote(
+                urls if rank == 0 else [], api_key=api_key, policy_version=policy_version
+            )
             for rank, actor in enumerate(self.actors)
         )
         return stats[0]

@@ -1,11 +1,18 @@
 """Weight sync from the trainer to every inference server, streamed in buckets.
 
 The trainer's export yields engine-layout tensors one at a time; they are grouped
-into buckets of at most ``bucket_bytes`` so peak extra memory stays one bucket (plus,
-in delta mode, the snapshot of what the servers already hold), and every bucket goes
-to all servers concurrently. Delta mode compares each tensor with the last one sent
-and sends only those that changed: frozen or untouched tensors (embeddings of bytes
-never sampled under a sparse optimizer, frozen layers) then cost nothing.
+into buckets of at most ``bucket_bytes`` so peak extra memory stays one bucket (two
+for a versioned push, which holds one back; plus, in delta mode, the snapshot of what
+the servers already hold), and every bucket goes to all servers concurrently. Delta
+mode compares each tensor with the last one sent and sends only those that changed:
+frozen or untouched tensors (embeddings of bytes never sampled under a sparse
+optimizer, frozen layers) then cost nothing.
+
+A push given a ``policy_version`` lands on each server as one step, however many
+buckets it takes: every bucket but the last is staged (``X-Weight-Commit: false``) and
+the last commits them all with ``X-Policy-Version: v`` (every bucket names v, so a
+server drops the staging of a push that was abandoned half way). Replies generated
+meanwhile still come from the previous version's weights, tagged with that version.
 """
 
 from __future__ import annotations
@@ -59,25 +66,70 @@ class WeightSyncer:
         self._sent: dict[str, torch.Tensor] = {}
 
     async def push(
-        self, clients: Sequence[Any], named_tensors: Iterable[tuple[str, torch.Tensor]]
+        self,
+        clients: Sequence[Any],
+        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        *,
+        policy_version: int | None = None,
     ) -> SyncStats:
+        """Sends ``named_tensors`` to every client; with ``policy_version`` the servers
+        load the whole push in one step as that version (see the module docstring)."""
+        if policy_version is not None and (type(policy_version) is not int or policy_version < 0):
+            raise ValueError(
+                f"policy_version: expected None or an int >= 0, got {policy_version!r}"
+            )
         start = time.perf_counter()
         total = sent = nbytes = requests = 0
-        for bucket in self._buckets(named_tensors):
-            total += len(bucket)
-            changed = self._changed(bucket)
-            if not changed:
-                continue
-            payload = dict(changed)
-            await asyncio.gather(*(c.update_weights(payload) for c in clients))
-            for name, tensor in changed:
+        # Delta snapshot of a versioned push: recorded once the commit succeeded, so a
+        # push that fails half way is sent whole again next time.
+        pending: dict[str, torch.Tensor] = {}
+        held: list[tuple[str, torch.Tensor]] | None = None
+        last: tuple[str, torch.Tensor] | None = None
+
+        async def send(bucket: list[tuple[str, torch.Tensor]], *, commit: bool) -> None:
+            nonlocal sent, nbytes, requests
+            payload = dict(bucket)
+            options: dict[str, Any] = {}
+            if policy_version is not None:
+                options["policy_version"] = policy_version
+            if not commit:
+                options["commit"] = False
+            await asyncio.gather(*(c.update_weights(payload, **options) for c in clients))
+            for name, tensor in bucket:
                 if self.mode == "delta":
                     # A clone: exported tensors may be views of live parameters,
                     # which the next optimizer step would change under the snapshot.
-                    self._sent[name] = tensor.clone()
+                    snapshot = pending if policy_version is not None else self._sent
+                    snapshot[name] = tensor.clone()
                 nbytes += tensor.numel() * tensor.element_size()
-            sent += len(changed)
+            sent += len(bucket)
             requests += len(clients)
+
+        for bucket in self._buckets(named_tensors):
+            total += len(bucket)
+            last = bucket[-1]
+            changed = self._changed(bucket)
+            if not changed:
+                continue
+            if policy_version is None:
+                await send(changed, commit=True)
+                continue
+            # One bucket behind: only at the end is it known which bucket is the last.
+            if held is not None:
+                await send(held, commit=False)
+            held = changed
+        if policy_version is not None:
+            if held is None:
+                # Nothing changed (delta mode): the version must still advance, and an
+                # upload carries at least one tensor, so the last one goes again.
+                if last is None:
+                    raise ValueError(
+                        "named_tensors: expected at least one tensor to carry policy "
+                        f"version {policy_version}, got none"
+                    )
+                held = [last]
+            await send(held, commit=True)
+            self._sent.update(pending)
         return SyncStats(total, sent, nbytes, requests, time.perf_counter() - start)
 
     def _buckets(

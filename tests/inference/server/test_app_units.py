@@ -28,6 +28,7 @@ class FakeEngine:
         self.release.set()
         self.fail = False
         self.closed = False
+        self.policy_version = 0
 
     @property
     def info(self) -> EngineInfo:
@@ -39,10 +40,16 @@ class FakeEngine:
         await self.release.wait()
         if self.fail:
             raise RuntimeError("kernel exploded")
-        return [EngineOutput([7, 8, 9], "length", list(self.logprobs)) for _ in requests]
+        return [
+            EngineOutput([7, 8, 9], "length", list(self.logprobs), self.policy_version)
+            for _ in requests
+        ]
 
-    def load_weights(self, named_tensors: Iterable) -> int:
-        return len(list(named_tensors))
+    def load_weights(self, named_tensors: Iterable, *, policy_version: int | None = None) -> int:
+        count = len(list(named_tensors))
+        if policy_version is not None:
+            self.policy_version = policy_version
+        return count
 
     async def close(self) -> None:
         self.closed = True
@@ -53,7 +60,9 @@ def test_fake_engine_satisfies_the_protocol() -> None:
 
 
 def test_render_clamps_missing_and_non_finite_logprobs_and_counts_them() -> None:
-    output = EngineOutput([1, 2, 3, 4], "stop", [float("nan"), -1.0, float("-inf")])  # one missing
+    output = EngineOutput(
+        [1, 2, 3, 4], "stop", [float("nan"), -1.0, float("-inf")], 0
+    )  # one missing
     body, clamped = render_generate_reply(
         output, EngineRequest([5]), model="m", side_channels=False
     )
@@ -66,7 +75,7 @@ def test_render_clamps_missing_and_non_finite_logprobs_and_counts_them() -> None
 
 def test_render_side_channels_are_envelopes_or_null() -> None:
     routes = np.array([[[0, 1]], [[2, 3]]], dtype=np.int64)  # engine may hand any int dtype
-    output = EngineOutput([1, 2], "length", [-1.0, -2.0], routed_experts=routes)
+    output = EngineOutput([1, 2], "length", [-1.0, -2.0], 0, routed_experts=routes)
     request = EngineRequest([5, 6], return_routed_experts=True)
     body, _ = render_generate_reply(output, request, model="m", side_channels=True)
     (choice,) = load_packed_body(body)["choices"]
@@ -76,7 +85,7 @@ def test_render_side_channels_are_envelopes_or_null() -> None:
 
 
 def test_render_refuses_an_engine_that_dropped_requested_routes() -> None:
-    output = EngineOutput([1], "length", [-1.0])
+    output = EngineOutput([1], "length", [-1.0], 0)
     with pytest.raises(RuntimeError, match="expected routed_experts"):
         render_generate_reply(
             output, EngineRequest([5], return_routed_experts=True), model="m", side_channels=True

@@ -321,7 +321,8 @@ def test_valid_upload_round_trips_in_any_float_dtype(live_server) -> None:
             return before, loaded, changed, restored, await greedy_tokens(session, live_server)
 
     before, loaded, changed, restored, after = asyncio.run(main())
-    assert loaded == (200, {"num_loaded": 3}) and restored == (200, {"num_loaded": 3})
+    unversioned = {"num_loaded": 3, "num_staged": 0, "policy_version": 0}
+    assert loaded == (200, unversioned) and restored == (200, unversioned)
     assert changed != before and after == before
 
 
@@ -365,10 +366,14 @@ class RecordingEngine:
     def parameter_shapes(self) -> dict[str, tuple[int, ...]]:
         return parameter_shapes(self.inner.model)
 
-    def load_weights(self, named_tensors: Any) -> int:
+    @property
+    def policy_version(self) -> int:
+        return self.inner.policy_version
+
+    def load_weights(self, named_tensors: Any, *, policy_version: int | None = None) -> int:
         self.events.append(("start", time.monotonic()))
         time.sleep(0.2)
-        count = self.inner.load_weights(named_tensors)
+        count = self.inner.load_weights(named_tensors, policy_version=policy_version)
         self.events.append(("end", time.monotonic()))
         return count
 
@@ -391,6 +396,7 @@ def test_concurrent_uploads_load_one_at_a_time() -> None:
             await server.stop()
 
     replies = asyncio.run(main())
-    assert all(reply == (200, {"num_loaded": 1}) for reply in replies)
+    unversioned = {"num_loaded": 1, "num_staged": 0, "policy_version": 0}
+    assert all(reply == (200, unversioned) for reply in replies)
     kinds = [kind for kind, _ in engine.events]
     assert kinds == ["start", "end"] * 4  # never two starts in a row

@@ -22,11 +22,24 @@ def _ours() -> set[int]:
     return ray_daemon_pids().union(*(ray_actor_pids(name) for name in ACTORS))
 
 
-def test_ctrl_c_mid_run_stops_every_actor_and_ray(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "mode",
+    [
+        [],
+        # Generation running ahead of training when the signal lands (issue 13).
+        ["trainer.fully_async.enabled=true", "trainer.algorithm.use_tis=true"],
+    ],
+    ids=["sync", "fully_async"],
+)
+def test_ctrl_c_mid_run_stops_every_actor_and_ray(tmp_path: Path, mode: list[str]) -> None:
     before = _ours()
     run_dir = tmp_path / "run"
     args = with_overrides(
-        SMALL, "trainer.num_steps=200", "trainer.ckpt_interval=0", f"trainer.run_dir={run_dir}"
+        SMALL,
+        "trainer.num_steps=200",
+        "trainer.ckpt_interval=0",
+        f"trainer.run_dir={run_dir}",
+        *mode,
     )
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     # A suite started in the background by a non-interactive shell (`cmd &`) runs with

@@ -139,7 +139,9 @@ class TrainerPolicy:
     async def train(self, batch: TrainingBatch, advantages: torch.Tensor, *, step: int) -> Any:
         return self.trainer.train(dataclasses.replace(batch, advantages=advantages), step=step)
 
-    async def push_weights(self, urls: list[str], *, api_key: str | None = None) -> Any:
+    async def push_weights(
+        self, urls: list[str], *, api_key: str | None = None, policy_version: int | None = None
+    ) -> Any:
         self.pushes += 1
         return {}
 
