@@ -154,7 +154,20 @@ async def _http(args: argparse.Namespace) -> dict[str, Any]:
     from inference.client import GenerateRequest, RemoteGenerateClient
     from inference.server import EngineSpec, ServerConfig, ServerThread
 
-    server = ServerThread(EngineSpec(seed=0).build, ServerConfig())
+    batches: list[int] = []  # the size of every forward batch the engine ran
+
+    def build() -> Any:
+        engine = EngineSpec(seed=0).build()
+        run_batch = engine._run
+
+        def counted(requests: list[Any]) -> Any:
+            batches.append(len(requests))
+            return run_batch(requests)
+
+        engine._run = counted  # how the batching window grouped the arrivals
+        return engine
+
+    server = ServerThread(build, ServerConfig())
     url = await asyncio.to_thread(server.start)
     prompts = _prompts(args.requests, args.prompt_len)
     try:
@@ -172,13 +185,19 @@ async def _http(args: argparse.Namespace) -> dict[str, Any]:
                     for i, p in enumerate(prompts)
                 ]
 
+            splits: dict[bool, list[int]] = {False: [], True: []}
+
             async def run(capture: bool, concurrency: int) -> tuple[float, list[Any]]:
                 reqs = requests(capture)
+                del batches[:]
                 t0 = time.perf_counter()
                 results = await client.generate_batch(reqs, max_concurrency=concurrency)
-                return time.perf_counter() - t0, results
+                dt = time.perf_counter() - t0
+                splits[capture].append(len(batches))
+                return dt, results
 
             await run(False, args.requests)  # warm-up
+            splits[False].clear()
             times: dict[bool, list[float]] = {False: [], True: []}
             results: dict[bool, list[Any]] = {}
             for _ in range(args.repeats):
@@ -225,6 +244,8 @@ async def _http(args: argparse.Namespace) -> dict[str, Any]:
             a / b for a, b in zip(times[True], times[False], strict=True)
         )
         - 1.0,
+        "forward_batches_off": splits[False],
+        "forward_batches_on": splits[True],
         "sequential_requests": seq_n,
         "sequential_tok_per_s": sequential_tps,
         "concurrency_speedup": concurrent_tps / sequential_tps,
@@ -316,6 +337,10 @@ def main(argv: list[str] | None = None) -> int:
             f"[http] {h['sequential_requests']} sequential requests: "
             f"{h['sequential_tok_per_s']:.0f} tok/s; {args.requests} concurrent: "
             f"{h['on_tok_per_s']:.0f} tok/s; speedup {h['concurrency_speedup']:.1f}x"
+        )
+        print(
+            f"[http] forward batches per repeat (64 requests): off {h['forward_batches_off']}, "
+            f"on {h['forward_batches_on']}"
         )
     return 0
 
