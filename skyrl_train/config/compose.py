@@ -135,12 +135,12 @@ def check_override_keys(overrides: Sequence[str]) -> None:
         if key.startswith("+"):
             key = key.lstrip("+")
             parent = key.rsplit(".", 1)[0] if "." in key else ""
-            if not parent or not _under_mapping(parent):
+            if not parent or _locate(parent) != "mapping":
                 raise unknown_key_error(key)
             continue
         if "." not in key and key in GROUPS:
             continue
-        if not _declared(key):
+        if _locate(key) is None:
             raise unknown_key_error(key)
 
 
@@ -186,36 +186,19 @@ def _all_keys(cls: type = PPOConfig, prefix: str = "") -> Iterator[str]:
             yield from _all_keys(tp, key + ".")
 
 
-def _declared(key: str) -> bool:
-    cls: Any = PPOConfig
-    parts = key.split(".")
-    for i, part in enumerate(parts):
-        if cls is None:  # below a free-form mapping: anything goes
-            return True
-        fields = {f.name: f for f in dataclasses.fields(cls)}
-        if part not in fields:
-            return False
-        tp = typing.get_type_hints(cls)[part]
-        cls = _node_type(tp)
-        if cls is None and i < len(parts) - 1 and not _is_mapping(tp):
-            return False
-    return True
-
-
-def _under_mapping(key: str) -> bool:
-    """Whether ``key`` is a free-form mapping field or lies below one."""
-    cls: Any = PPOConfig
+def _locate(key: str) -> str | None:
+    """What the schema declares at ``key``: ``"node"`` (a dataclass), ``"leaf"`` (a
+    value), ``"mapping"`` (a free-form mapping field, or any key below one), or None
+    when it declares nothing there."""
+    node: Any = PPOConfig
     for part in key.split("."):
-        if cls is None:
-            return True
-        fields = {f.name for f in dataclasses.fields(cls)}
-        if part not in fields:
-            return False
-        tp = typing.get_type_hints(cls)[part]
-        if _is_mapping(tp):
-            return True
-        cls = _node_type(tp)
-    return False
+        if node is dict:  # below a free-form mapping: anything goes
+            return "mapping"
+        if node is None or part not in {f.name for f in dataclasses.fields(node)}:
+            return None
+        tp = typing.get_type_hints(node)[part]
+        node = dict if _is_mapping(tp) else _node_type(tp)
+    return "mapping" if node is dict else "leaf" if node is None else "node"
 
 
 def _node_type(tp: Any) -> type | None:
