@@ -196,10 +196,6 @@ class GRPOLoop:
             async with self._version_changed:
                 self._version_changed.notify_all()
 
-    async def train_step(self, step: int, clients: list[Any]) -> dict[str, float]:
-        """One synchronous step: generate with the current policy, then learn."""
-        return await self.learn(step, await self.rollout(step, clients))
-
     async def rollout(self, step: int, clients: list[Any]) -> Rollout:
         """Step ``step``'s trajectories (dynamic sampling included) and the signals that
         describe the policy's own samples."""
@@ -254,7 +250,6 @@ class GRPOLoop:
                 "timing/collate_s": collated - started,
                 "timing/train_s": trained - collated,
                 "timing/sync_s": synced - trained,
-                "timing/step_s": synced - started + rollout.generate_s,
             }
         )
         return metrics
