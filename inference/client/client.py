@@ -285,10 +285,10 @@ class RemoteGenerateClient:
         """
         from safetensors.torch import save
 
-        if policy_version is not None and (type(policy_version) is not int or policy_version < 0):
-            raise ValueError(
-                f"policy_version: expected None or an int >= 0, got {policy_version!r}"
-            )
+        # Imported here, as safetensors.torch is: the generate path stays torch-free.
+        from inference.engine.base import check_policy_version
+
+        check_policy_version(policy_version, field="policy_version", optional=True)
         headers: dict[str, str] = {}
         if policy_version is not None:
             headers["X-Policy-Version"] = str(policy_version)

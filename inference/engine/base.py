@@ -44,6 +44,17 @@ def check_temperature(value: object, *, field: str) -> float:
     raise RequestValidationError(field, TEMPERATURE_RULE, value)
 
 
+def check_policy_version(value: object, *, field: str, optional: bool = False) -> int | None:
+    """``value`` as a policy version (an int >= 0; None too when ``optional``), or
+    ``RequestValidationError`` naming ``field``: the one check for the engine, the
+    client and the trainer's weight sync."""
+    if value is None and optional:
+        return None
+    if type(value) is int and value >= 0:
+        return value
+    raise RequestValidationError(field, "None or an int >= 0" if optional else "an int >= 0", value)
+
+
 TOP_P_RULE = "a number in (0, 1]"
 TOP_K_RULE = "-1 (no cut) or an int >= 1"
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from inference.engine.base import EngineInfo, EngineOutput, EngineRequest
+from inference.engine.base import EngineInfo, EngineOutput, EngineRequest, check_policy_version
 from inference.engine.capture import RouteCapture
 from inference.engine.decode import run_batch, validate_request
 from inference.engine.weights import export_weights, load_named_tensors, parameter_shapes
@@ -255,8 +255,8 @@ class HFMoEEngine:
         is loaded then.
         """
         self._check_open()
-        if policy_version is not None and (type(policy_version) is not int or policy_version < 0):
-            raise RequestValidationError("policy_version", "an int >= 0", policy_version)
+        if policy_version is not None:
+            check_policy_version(policy_version, field="policy_version")
         with self._model_lock:
             if policy_version is not None and policy_version < self._policy_version:
                 raise RequestValidationError(

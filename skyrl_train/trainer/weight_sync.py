@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from inference.engine.base import check_policy_version
 from skyrl_train.utils.cpu_topology import pool_workers
 from skyrl_train.utils.parallel import fill_batch_rows
 
@@ -74,10 +75,7 @@ class WeightSyncer:
     ) -> SyncStats:
         """Sends ``named_tensors`` to every client; with ``policy_version`` the servers
         load the whole push in one step as that version (see the module docstring)."""
-        if policy_version is not None and (type(policy_version) is not int or policy_version < 0):
-            raise ValueError(
-                f"policy_version: expected None or an int >= 0, got {policy_version!r}"
-            )
+        check_policy_version(policy_version, field="policy_version", optional=True)
         start = time.perf_counter()
         total = sent = nbytes = requests = 0
         # Delta snapshot of a versioned push: recorded once the commit succeeded, so a
