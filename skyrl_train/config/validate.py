@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -19,7 +18,7 @@ from typing import Any
 import skyrl_gym  # importing it registers the built-in environments
 from inference.models.architecture import MoEArchitecture
 from skyrl_train.algorithms.advantages import GROUPED_ESTIMATORS
-from skyrl_train.config.constraints import check_constraints
+from skyrl_train.config.constraints import check_constraints, check_value
 from skyrl_train.config.model_source import model_architecture
 from skyrl_train.config.schema import (
     MegatronConfig,
@@ -136,12 +135,10 @@ def _check_model(model: ModelConfig) -> MoEArchitecture:
     tokenizer and EOS included) or ``model.builtin``."""
     arch = model_architecture(model)
     if model.path is None:
+        # TinyMoEConfig (an inference-side class) checks its ints itself; these floats
+        # get the schema's own range rule.
         for name in ("rope_theta", "rms_norm_eps", "initializer_range"):
-            value = getattr(model.builtin, name)
-            if not (math.isfinite(value) and value > 0):
-                raise ConfigValidationError(
-                    f"model.builtin.{name}", f"expected a finite number > 0, got {value!r}"
-                )
+            check_value(getattr(model.builtin, name), f"model.builtin.{name}", gt=0.0)
     return arch
 
 
