@@ -89,11 +89,8 @@ from inference.server.validation import (
     check_content_type,
     parse_generate_request,
 )
-from inference.server.weights_upload import (
-    StagedWeights,
-    engine_policy_version,
-    receive_weights,
-)
+from inference.server.weight_versions import StagedWeights, engine_policy_version
+from inference.server.weights_upload import receive_weights
 
 __all__ = ["ServerConfig", "ServerCounters", "build_app", "error_response"]
 

@@ -27,7 +27,7 @@ from inference.engine.hf_engine import HFMoEEngine
 from inference.errors import RequestValidationError
 from inference.server import ServerConfig, start_server
 from inference.server.render import render_generate_reply
-from inference.server.weights_upload import parse_upload_headers
+from inference.server.weight_versions import parse_upload_headers
 from inference.wire import load_packed_body
 
 UPLOAD = "/skyrl/v1/update_weights"
