@@ -12,14 +12,14 @@ generate reply and in ``/health``):
     weights and version stay as they were; the same version again is accepted (a retried
     commit whose reply was lost).
 ``X-Weight-Commit: true | false`` (default true)
-    false: the upload is validated (``weights_upload``, steps 1-3) and its tensors
-    are staged in the app's memory, not loaded; the reply's ``num_loaded`` is 0. true: the staged tensors and
-    this upload's (which win on a repeated name) go to ONE ``load_weights(...,
-    policy_version=v)``: all or nothing. Values are checked there, so a non-finite one in
-    any staged upload refuses the whole commit, naming the tensor. Staging ends as soon
-    as a commit's body has been read whole, loaded or refused; a commit whose body never
-    arrived (timeout, reset) keeps it, so the client's retry of that commit completes
-    the push.
+    false: the upload is validated (``weights_upload``, steps 1-3) and its tensors are
+    staged in the app's memory, not loaded; the reply's ``num_loaded`` is 0. true: the
+    staged tensors and this upload's (which win on a repeated name) go to ONE
+    ``load_weights(..., policy_version=v)``: all or nothing. Values are checked there,
+    so a non-finite one in any staged upload refuses the whole commit, naming the
+    tensor. Staging ends as soon as a commit's body has been read whole, loaded or
+    refused; a commit whose body never arrived (timeout, reset) keeps it, so the
+    client's retry of that commit completes the push.
 
 Rules, checked under the weight lock before the data section is read:
 
