@@ -70,6 +70,12 @@ def validate_cfg(cfg: PPOConfig | Mapping[str, Any]) -> None:
     check_trackers(cfg.logging.trackers)
 
 
+PROVEN_VPP_WITH_REPLAY = frozenset({(2, 2)})
+"""(pipeline, virtual pipeline) sizes at which tests run the interleaved schedule with
+replay and find every route replayed, forward and recompute
+(tests/skyrl_train/workers/test_megatron_pipeline.py)."""
+
+
 def refuse_replay_incompatible(settings: Mapping[str, Any], *, key_prefix: str) -> None:
     """Refuse TransformerConfig settings under which routing replay silently fails.
 
@@ -77,18 +83,34 @@ def refuse_replay_incompatible(settings: Mapping[str, Any], *, key_prefix: str) 
     Megatron worker calls this again on the resolved TransformerConfig, since a
     provider may fill in a value the YAML left unset.
 
-    - Interleaved pipelines (VPP): every chunk's forward is pushed onto every router's
-      FIFO but popped per chunk, so replay silently uses stale routes.
+    - Interleaved pipelines (VPP): a rank holds several model chunks whose forwards
+      and backwards interleave. Megatron's replay FIFO is filled by every chunk's
+      forward and popped per chunk, so it goes stale; the worker's replay is keyed by
+      (chunk, microbatch) instead, and is accepted at the sizes the tests prove
+      (``PROVEN_VPP_WITH_REPLAY``), with no recompute or full recompute.
     - ``moe_router_fusion`` and sinkhorn load balancing take a routing path that
       never consults ``RouterReplay``; megatron does not check either.
     """
     vpp = settings.get("virtual_pipeline_model_parallel_size")
     if vpp:
-        raise ConfigValidationError(
-            f"{key_prefix}.virtual_pipeline_model_parallel_size",
-            f"expected null with routing replay (under virtual pipeline parallelism the "
-            f"interleaved chunks pop stale routes from the replay FIFO), got {vpp!r}",
-        )
+        pp = settings.get("pipeline_model_parallel_size", 1)
+        if (pp, vpp) not in PROVEN_VPP_WITH_REPLAY:
+            proven = ", ".join(
+                f"{v} at pipeline size {p}" for p, v in sorted(PROVEN_VPP_WITH_REPLAY)
+            )
+            raise ConfigValidationError(
+                f"{key_prefix}.virtual_pipeline_model_parallel_size",
+                f"expected null or {proven} with routing replay (replay on the "
+                f"interleaved schedule is proven by tests only there), got {vpp!r} at "
+                f"pipeline size {pp}",
+            )
+        granularity = settings.get("recompute_granularity")
+        if granularity not in (None, "full"):
+            raise ConfigValidationError(
+                f"{key_prefix}.recompute_granularity",
+                f"expected null or 'full' with routing replay under virtual pipeline "
+                f"parallelism (only those are proven there), got {granularity!r}",
+            )
     if settings.get("moe_router_fusion"):
         raise ConfigValidationError(
             f"{key_prefix}.moe_router_fusion",
@@ -121,12 +143,15 @@ def _check_routing_replay(cfg: PPOConfig) -> None:
             "generator.inference_engine.enable_return_routed_experts is false "
             f"({prefix}.routing_replay_source=old_policy replays the trainer's own)",
         )
+    pipeline = {
+        "virtual_pipeline_model_parallel_size": mc.virtual_pipeline_model_parallel_size,
+        "pipeline_model_parallel_size": mc.pipeline_model_parallel_size,
+    }
+    refuse_replay_incompatible(pipeline, key_prefix=prefix)
+    # The passthrough can set VPP itself or the recompute it is checked against.
     refuse_replay_incompatible(
-        {"virtual_pipeline_model_parallel_size": mc.virtual_pipeline_model_parallel_size},
-        key_prefix=prefix,
-    )
-    refuse_replay_incompatible(
-        mc.transformer_config_kwargs, key_prefix=f"{prefix}.transformer_config_kwargs"
+        {**pipeline, **mc.transformer_config_kwargs},
+        key_prefix=f"{prefix}.transformer_config_kwargs",
     )
 
 

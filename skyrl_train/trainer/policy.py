@@ -71,6 +71,14 @@ class RankInfo:
     dp_rank: int
     dp_size: int
     ep_size: int
+    pp_rank: int = 0
+    pp_size: int = 1
+
+    @property
+    def is_last_stage(self) -> bool:
+        """The pipeline stage whose loss function ran: its metrics are the complete ones
+        (clip fraction and TIS weights are counted inside the loss)."""
+        return self.pp_rank == self.pp_size - 1
 
 
 class PolicyTrainer:
@@ -156,6 +164,8 @@ class PolicyTrainer:
             dp_rank=parallel_state.get_data_parallel_rank(),
             dp_size=parallel_state.get_data_parallel_world_size(),
             ep_size=parallel_state.get_expert_model_parallel_world_size(),
+            pp_rank=parallel_state.get_pipeline_model_parallel_rank(),
+            pp_size=parallel_state.get_pipeline_model_parallel_world_size(),
         )
         return self.info
 
@@ -404,12 +414,13 @@ class PolicyTrainer:
     ) -> dict[str, float]:
         """Send the weights to ``urls``; with ``policy_version`` each server loads the
         whole push in one step as that version (``WeightSyncer.push``). A rank given no
-        URLs still runs the export when experts are sharded: the export gathers them
-        over the EP group in lockstep."""
+        URLs still runs the export when experts or layers are sharded: the export
+        gathers experts over the EP group and stages over the pipeline group, in
+        lockstep."""
         from inference.client import RemoteGenerateClient
 
         if not urls:
-            if self.info.ep_size > 1:
+            if self.info.ep_size > 1 or self.info.pp_size > 1:
                 for _ in self.worker.export_weights():
                     pass
             return {}
@@ -440,6 +451,7 @@ class PolicyTrainer:
         assert self.worker.optimizer is not None
         state = {
             "world_size": self.info.world_size,
+            "layout": self._layout(),
             "model": self.worker.model.state_dict(),
             "optimizer": self.worker.optimizer.state_dict(),
             "torch_rng": torch.random.get_rng_state(),
@@ -448,10 +460,26 @@ class PolicyTrainer:
         }
         write_file(checkpoint_file(Path(folder), self.info.rank), lambda fh: torch.save(state, fh))
 
+    def _layout(self) -> dict[str, int | None]:
+        mc = self.cfg.trainer.policy.megatron_config
+        return {
+            "pipeline_model_parallel_size": mc.pipeline_model_parallel_size,
+            "virtual_pipeline_model_parallel_size": mc.virtual_pipeline_model_parallel_size,
+            "expert_model_parallel_size": mc.expert_model_parallel_size,
+        }
+
     def load_checkpoint(self, folder: str) -> None:
         """Restore this rank from ``folder``, which the launch verified against its
         manifest (``checkpoint.verify_resume``) before Ray started."""
         state = load_rank_state(Path(folder), rank=self.info.rank, world_size=self.info.world_size)
+        saved = state.get("layout") or self._layout()  # files from before layouts were saved
+        for name, value in self._layout().items():
+            if saved.get(name) != value:
+                raise ConfigValidationError(
+                    f"trainer.policy.megatron_config.{name}",
+                    f"expected the checkpoint's {saved.get(name)!r} to resume {folder!r} (each "
+                    f"rank's file holds that layout's layers and experts), got {value!r}",
+                )
         assert self.worker.optimizer is not None
         self.worker.model.load_state_dict(state["model"])
         self.worker.optimizer.load_state_dict(state["optimizer"])

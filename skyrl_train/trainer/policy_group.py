@@ -122,8 +122,13 @@ class PolicyGroup:
             for actor, info in zip(self.actors, self.ranks, strict=True)
         )
         self.received_rows = [int(metrics[ROWS_KEY]) for metrics in per_rank]
-        # Ranks that share a dp rank (tensor/pipeline peers) trained the same rows.
-        seen = {info.dp_rank: metrics for info, metrics in zip(self.ranks, per_rank, strict=True)}
+        # Ranks that share a dp rank (tensor/pipeline peers) trained the same rows; the
+        # last pipeline stage ran the loss, so its metrics are the complete ones.
+        seen = {
+            info.dp_rank: metrics
+            for info, metrics in zip(self.ranks, per_rank, strict=True)
+            if info.is_last_stage
+        }
         return combine_rank_metrics([seen[r] for r in sorted(seen)])
 
     async def push_weights(

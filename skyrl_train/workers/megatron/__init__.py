@@ -4,7 +4,8 @@ Modules: ``cpu_compat`` (the CPU shim), ``model`` (TransformerConfig + GPTModel 
 ``MoEArchitecture`` and the ``trainer.policy.megatron_config`` node, which every part
 takes whole), ``convert`` (weights both ways in the engine's HF layout), ``layout``
 (left-padded batch -> contiguous rows), ``replay`` (route checks and the RouterReplay
-driver), ``worker`` (the public worker).
+driver, keyed by model chunk and microbatch), ``pipeline`` (results moved across
+pipeline stages), ``worker`` (the public worker, on Megatron's schedules).
 """
 
 import warnings

@@ -22,12 +22,17 @@ Layouts that must match (measured: fp32 logits within 3e-7 once they did):
 - With expert parallelism each rank holds experts ``[r*E/ep, (r+1)*E/ep)``; export
   gathers them over the expert-parallel group, so every rank of that group must call
   it in lockstep.
+- With pipeline parallelism a rank holds some layers (in one chunk per virtual stage);
+  layer numbers are global. Each stage exports its own tensors, broadcast over the
+  pipeline group stage by stage, so every rank yields the whole model (and every rank
+  of the group must consume the export in lockstep). Loading takes the whole model's
+  stream on every rank and keeps the tensors of its own layers.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -136,18 +141,35 @@ def _gather_experts(local: torch.Tensor, ep_size: int, group: Any) -> torch.Tens
     return torch.cat(parts, dim=0)
 
 
-def export_hf_weights(model: Any, arch: MoEArchitecture) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield the model's weights under the family's HF names, one tensor at a time
-    (fp32, detached copies, so the consumer may keep or cast them).
+def export_hf_weights(
+    chunks: Sequence[Any], arch: MoEArchitecture
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield the whole model's weights under the family's HF names, one tensor at a
+    time (fp32, detached copies, so the consumer may keep or cast them).
 
-    Every Megatron parameter is exported or this raises ValueError naming the one no
-    table maps (a tensor silently left behind would reach the engine as its old value).
+    ``chunks``: this rank's model chunks. With PP > 1 each stage's tensors come from
+    that stage (``_broadcast_stages``). Every Megatron parameter is exported or this
+    raises ValueError naming the one no table maps (a tensor silently left behind
+    would reach the engine as its old value).
     """
+    own = _export_own(chunks, arch)
+    if _pipeline_layout()[1] == 1:
+        return own
+    return _broadcast_stages(own)
+
+
+def _export_own(chunks: Sequence[Any], arch: MoEArchitecture) -> Iterator[tuple[str, torch.Tensor]]:
+    """This rank's tensors: the embedding on the first stage, its layers, and the
+    final norm and output layer on the last stage."""
     family = family_named(arch.family)
     fused = _fused_entries(arch, family)
     _ep_rank, ep_size, ep_group = _ep_layout()
-    yield "model.embed_tokens.weight", model.embedding.word_embeddings.weight.detach().clone()
-    for layer in model.decoder.layers:
+    if chunks[0].pre_process:
+        yield (
+            "model.embed_tokens.weight",
+            chunks[0].embedding.word_embeddings.weight.detach().clone(),
+        )
+    for layer in (layer for chunk in chunks for layer in chunk.decoder.layers):
         number = layer.layer_number - 1  # Megatron numbers layers from 1, globally
         prefix = f"model.layers.{number}"
         params = {name: p.detach() for name, p in layer.named_parameters()}
@@ -176,15 +198,65 @@ def export_hf_weights(model: Any, arch: MoEArchitecture) -> Iterator[tuple[str, 
                 f"decoder.layers.{number}.{left[0]}: expected a mapping to a "
                 f"{family.architectures[0]} weight, got none in the family's tables"
             )
-    yield "model.norm.weight", model.decoder.final_layernorm.weight.detach().clone()
-    if not arch.tie_word_embeddings:
-        yield "lm_head.weight", model.output_layer.weight.detach().clone()
+    last = chunks[-1]
+    if last.post_process:
+        yield "model.norm.weight", last.decoder.final_layernorm.weight.detach().clone()
+        if not arch.tie_word_embeddings:
+            yield "lm_head.weight", last.output_layer.weight.detach().clone()
+
+
+def _pipeline_layout() -> tuple[int, int, Any]:
+    from megatron.core import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        return 0, 1, None
+    return (
+        parallel_state.get_pipeline_model_parallel_rank(),
+        parallel_state.get_pipeline_model_parallel_world_size(),
+        parallel_state.get_pipeline_model_parallel_group(),
+    )
+
+
+def _broadcast_stages(
+    own: Iterator[tuple[str, torch.Tensor]],
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Stage 0's tensors, then stage 1's, ...: the owner broadcasts each tensor's name,
+    shape and dtype, then its bytes; a None header ends a stage. An owner whose export
+    fails sends the error instead, so the other stages raise it rather than wait."""
+    stage, stages, group = _pipeline_layout()
+    dist = torch.distributed
+    for source in range(stages):
+        src = dist.get_global_rank(group, source)
+        while True:
+            header: list[Any] = [None]
+            item, failure = None, None
+            if source == stage:
+                try:
+                    item = next(own, None)
+                except ValueError as exc:
+                    failure = exc
+            if failure is not None:
+                header = [("error", str(failure))]
+            elif item is not None:
+                header = [(item[0], tuple(item[1].shape), item[1].dtype)]
+            dist.broadcast_object_list(header, src=src, group=group)
+            if header[0] is None:
+                break
+            if header[0][0] == "error":
+                if failure is not None:
+                    raise failure
+                raise ValueError(f"pipeline stage {source}: {header[0][1]}")
+            name, shape, dtype = header[0]
+            tensor = item[1].contiguous() if item is not None else torch.empty(shape, dtype=dtype)
+            dist.broadcast(tensor, src=src, group=group)
+            yield name, tensor
 
 
 def load_hf_weights(
-    model: Any, named_tensors: Iterable[tuple[str, torch.Tensor]], arch: MoEArchitecture
+    chunks: Sequence[Any], named_tensors: Iterable[tuple[str, torch.Tensor]], arch: MoEArchitecture
 ) -> int:
-    """Copy HF-named tensors into ``model``; returns how many HF tensors were consumed.
+    """Copy HF-named tensors into this rank's ``chunks``; returns how many HF tensors
+    this rank took (another pipeline stage's layers are passed over).
 
     Unknown names (including a tensor of a kind this layer does not have, such as a
     router weight for a dense layer) and shape mismatches raise ValueError naming the
@@ -196,23 +268,33 @@ def load_hf_weights(
     part_of = {hf: (mg, i) for mg, entry in fused.items() for i, hf in enumerate(entry.parts)}
     ep_rank, ep_size, _group = _ep_layout()
     local_experts = arch.num_experts // ep_size
-    layers = {layer.layer_number - 1: layer for layer in model.decoder.layers}
+    layers = {layer.layer_number - 1: layer for chunk in chunks for layer in chunk.decoder.layers}
+    first, last = chunks[0], chunks[-1]
     pending: dict[tuple[int, str], dict[int, torch.Tensor]] = {}
     loaded = 0
     for name, tensor in named_tensors:
         tensor = tensor.detach()
         if name == "model.embed_tokens.weight":
-            _copy(model.embedding.word_embeddings.weight, tensor, name)
+            if not first.pre_process:
+                continue
+            _copy(first.embedding.word_embeddings.weight, tensor, name)
         elif name == "model.norm.weight":
-            _copy(model.decoder.final_layernorm.weight, tensor, name)
+            if not last.post_process:
+                continue
+            _copy(last.decoder.final_layernorm.weight, tensor, name)
         elif name == "lm_head.weight":
+            if not last.post_process:
+                continue
             if not arch.tie_word_embeddings:
-                _copy(model.output_layer.weight, tensor, name)
+                _copy(last.output_layer.weight, tensor, name)
         else:
             match = _LAYER.match(name)
-            if match is None or int(match.group(1)) not in layers:
+            number = int(match.group(1)) if match is not None else -1
+            if number not in layers and 0 <= number < arch.num_layers:
+                continue  # another pipeline stage's layer
+            if match is None or number not in layers:
                 raise ValueError(f"{name}: expected {what}")
-            number, suffix = int(match.group(1)), match.group(2)
+            suffix = match.group(2)
             layer = layers[number]
             params = dict(layer.named_parameters())
             direct = family.layer_table.get(suffix, "")

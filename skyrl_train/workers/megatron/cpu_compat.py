@@ -1,7 +1,8 @@
 """The one place where megatron-core is taught to run without CUDA.
 
 megatron-core 0.16.1 builds and trains a tiny MoE ``GPTModel`` on CPU (gloo, world
-size 1 and 2 with EP=2) once four CUDA assumptions are redirected:
+size 1 and 2 with EP=2), and runs its pipeline schedules (no pipelining, 1F1B and
+interleaved, PP=2 over gloo), once these CUDA assumptions are redirected:
 
 - ``torch.cuda.current_device()`` is used as a ``device=`` argument for buffers
   (router token counters, for example); on CPU it must name ``"cpu"``.
@@ -12,13 +13,21 @@ size 1 and 2 with EP=2) once four CUDA assumptions are redirected:
 - ``moe_utils.te_general_gemm`` is only defined when Transformer Engine imports, yet
   the router's gating function reads it unconditionally (a NameError otherwise).
 
+- The schedules (``pipeline_parallel/schedules.py``) create their token counter with
+  a literal ``device="cuda"``; that module alone sees a ``torch`` whose ``zeros``
+  puts such tensors on the CPU (a TorchFunctionMode would do the same for every op of
+  every forward, in Python).
+- The point-to-point layer calls ``torch.cuda.synchronize()`` after batched
+  send/recv (a guard against a NCCL race); gloo's requests are complete once waited.
+
 ``apply_cpu_compat()`` is a no-op when CUDA is available and idempotent otherwise.
-Megatron's pipeline schedules and distributed optimizer hard-code CUDA as well; the
-worker uses its own microbatch loop and ``torch.optim`` on CPU rather than patching them.
+Megatron's distributed optimizer still hard-codes CUDA; the worker steps
+``torch.optim.AdamW`` itself.
 """
 
 from __future__ import annotations
 
+import types
 from typing import Any
 
 import torch
@@ -44,6 +53,27 @@ def _cpu_current_device() -> str:
     return "cpu"
 
 
+def _no_synchronize(*_args: Any, **_kwargs: Any) -> None:
+    return None
+
+
+class _TorchOnCpu(types.ModuleType):
+    """``torch`` as the schedules module sees it: ``zeros(..., device="cuda")`` lands
+    on the CPU; every other name is torch's own object."""
+
+    def __init__(self) -> None:
+        super().__init__("torch")
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch, name)
+
+    @staticmethod
+    def zeros(*args: Any, **kwargs: Any) -> torch.Tensor:
+        if str(kwargs.get("device", "")).startswith("cuda"):
+            kwargs["device"] = "cpu"
+        return torch.zeros(*args, **kwargs)
+
+
 def cpu_compat_needed() -> bool:
     """True when the shim applies: no usable CUDA device in this process."""
     return not torch.cuda.is_available()
@@ -56,6 +86,7 @@ def apply_cpu_compat() -> bool:
         return False
     if _APPLIED:
         return True
+    from megatron.core.pipeline_parallel import schedules
     from megatron.core.tensor_parallel import random as tp_random
     from megatron.core.transformer.moe import moe_utils
 
@@ -65,6 +96,8 @@ def apply_cpu_compat() -> bool:
     torch.cuda.manual_seed = _cpu_manual_seed  # type: ignore[assignment]
     torch.cuda.random.get_rng_state = _cpu_get_rng_state  # type: ignore[assignment]
     torch.cuda.random.set_rng_state = _cpu_set_rng_state  # type: ignore[assignment]
+    torch.cuda.synchronize = _no_synchronize  # type: ignore[assignment]
+    schedules.torch = _TorchOnCpu()  # type: ignore[attr-defined]
     tp_random._get_cuda_rng_state = _cpu_get_rng_state
     tp_random._set_cuda_rng_state = _cpu_set_rng_state
     if not hasattr(moe_utils, "te_general_gemm"):

@@ -92,6 +92,30 @@ def make_contiguous(batch: TrainingBatch, *, pad_token_id: int = 0) -> Contiguou
     )
 
 
+def pad_rows(layout: ContiguousBatch, rows: int, *, pad_token_id: int) -> ContiguousBatch:
+    """``layout`` with filler rows appended up to ``rows``: pad tokens, all padding for
+    the routers, filler routes. Pipeline stages exchange one activation shape per
+    schedule, and the allgather dispatcher refuses variable shapes; a filler row's
+    logits are dropped before any loss."""
+    extra = rows - layout.tokens.shape[0]
+    if extra < 0:
+        raise ValueError(f"rows: expected at least {layout.tokens.shape[0]}, got {rows}")
+    if extra == 0:
+        return layout
+    seq = layout.tokens.shape[1]
+    routes = layout.routes
+    if routes is not None:
+        filler = route_filler_tensor(routes).expand(extra, seq, *routes.shape[2:])
+        routes = torch.cat([routes, filler])
+    return ContiguousBatch(
+        tokens=torch.cat([layout.tokens, torch.full((extra, seq), pad_token_id)]),
+        shifts=torch.cat([layout.shifts, torch.zeros(extra, dtype=torch.int64)]),
+        prompt_lens=torch.cat([layout.prompt_lens, torch.ones(extra, dtype=torch.int64)]),
+        padding_mask=torch.cat([layout.padding_mask, torch.ones(extra, seq, dtype=torch.bool)]),
+        routes=routes,
+    )
+
+
 def response_logprobs(
     logits: torch.Tensor, layout: ContiguousBatch, response_mask: torch.Tensor
 ) -> torch.Tensor:

@@ -100,6 +100,15 @@ def transformer_config_kwargs(arch: MoEArchitecture, mc: MegatronConfig) -> dict
         tensor_model_parallel_size=mc.tensor_model_parallel_size,
         pipeline_model_parallel_size=mc.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=mc.virtual_pipeline_model_parallel_size,
+        # Stages exchange fp32 activations; every microbatch of a schedule has one
+        # shape (the worker pads them), as the allgather dispatcher requires.
+        pipeline_dtype=torch.float32,
+        # Batched send/recv on gloo matches two messages between the same two ranks in
+        # posting order, and at PP=2 with VPP both neighbours are the same rank: rank 0
+        # posts (gradient, activation) where rank 1 expects (activation, gradient), so
+        # same-shaped tensors swapped silently (measured: losses of microbatches 2-3
+        # off, grad norm 14119 vs 61). Megatron's unbatched path orders by rank parity.
+        batch_p2p_comm=not cpu_compat_needed(),
         expert_model_parallel_size=mc.expert_model_parallel_size,
         context_parallel_size=mc.context_parallel_size,
     )
@@ -121,6 +130,14 @@ def build_transformer_config(arch: MoEArchitecture, mc: MegatronConfig) -> Any:
             f"{MEGATRON_CONFIG_KEY}.tensor_model_parallel_size",
             f"expected 1 for a {arch.family} model (q/k RMSNorm over the whole "
             f"projection), got {mc.tensor_model_parallel_size}",
+        )
+    if arch.tie_word_embeddings and mc.pipeline_model_parallel_size > 1:
+        # Tied weights live on the first and the last stage, and their gradients would
+        # need an all-reduce over the embedding group that nothing here runs.
+        raise ConfigValidationError(
+            f"{MEGATRON_CONFIG_KEY}.pipeline_model_parallel_size",
+            f"expected 1 for a checkpoint with tie_word_embeddings=true, got "
+            f"{mc.pipeline_model_parallel_size}",
         )
     kwargs = transformer_config_kwargs(arch, mc)
     refuse_replay_incompatible(mc, SimpleNamespace(**kwargs))
@@ -145,16 +162,15 @@ def refuse_replay_incompatible(mc: MegatronConfig, resolved: Any) -> None:
     vpp_from_top_level = bool(mc.virtual_pipeline_model_parallel_size) and not (
         mc.transformer_config_kwargs.get("virtual_pipeline_model_parallel_size")
     )
+    pipeline = {
+        name: getattr(resolved, name, None)
+        for name in ("virtual_pipeline_model_parallel_size", "pipeline_model_parallel_size")
+    }
+    refuse(pipeline, key_prefix=MEGATRON_CONFIG_KEY if vpp_from_top_level else kw_key)
     refuse(
         {
-            "virtual_pipeline_model_parallel_size": getattr(
-                resolved, "virtual_pipeline_model_parallel_size", None
-            )
-        },
-        key_prefix=MEGATRON_CONFIG_KEY if vpp_from_top_level else kw_key,
-    )
-    refuse(
-        {
+            **pipeline,
+            "recompute_granularity": getattr(resolved, "recompute_granularity", None),
             "moe_router_fusion": getattr(resolved, "moe_router_fusion", False),
             "moe_router_load_balancing_type": getattr(
                 resolved, "moe_router_load_balancing_type", None
@@ -165,20 +181,16 @@ def refuse_replay_incompatible(mc: MegatronConfig, resolved: Any) -> None:
 
 
 def refuse_unsupported_on_cpu(mc: MegatronConfig) -> None:
-    """The CPU path has no pipeline schedules and no sequence parallelism (which MoE
-    with TP>1 needs); only data and expert parallelism run here."""
+    """The CPU path has no sequence parallelism (which MoE with TP>1 needs) and no
+    context-parallel attention; data, expert and pipeline parallelism run here."""
     if not cpu_compat_needed():
         return
-    for name in (
-        "tensor_model_parallel_size",
-        "pipeline_model_parallel_size",
-        "context_parallel_size",
-    ):
+    for name in ("tensor_model_parallel_size", "context_parallel_size"):
         if getattr(mc, name) != 1:
             raise ConfigValidationError(
                 f"{MEGATRON_CONFIG_KEY}.{name}",
-                f"expected 1 on CPU (only data and expert parallelism run without CUDA), "
-                f"got {getattr(mc, name)}",
+                f"expected 1 on CPU (data, expert and pipeline parallelism run without "
+                f"CUDA), got {getattr(mc, name)}",
             )
 
 
@@ -223,6 +235,8 @@ def init_parallel_state(mc: MegatronConfig, *, seed: int) -> None:
             == mc.pipeline_model_parallel_size
             and parallel_state.get_expert_model_parallel_world_size()
             == mc.expert_model_parallel_size
+            and parallel_state.get_virtual_pipeline_model_parallel_world_size()
+            == mc.virtual_pipeline_model_parallel_size
         )
         if not same:
             parallel_state.destroy_model_parallel()
@@ -237,42 +251,59 @@ def init_parallel_state(mc: MegatronConfig, *, seed: int) -> None:
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 
-def build_gpt_model(arch: MoEArchitecture, config: Any, *, seed: int) -> Any:
-    """A GPTModel for ``arch``; parallel state must be initialised.
+def build_model_chunks(arch: MoEArchitecture, config: Any, *, seed: int) -> list[Any]:
+    """This pipeline rank's GPTModel chunks for ``arch`` (one per virtual stage, one
+    without VPP); parallel state must be initialised.
 
     The layer specs are Megatron's own per-layer dense/MoE specs from
-    ``moe_layer_freq`` (local modules, no Transformer Engine), sliced to this pipeline
-    stage. RouterReplay registers every router in a process-global list in build
-    order, so the list is cleared first: a previous model's routers would otherwise
-    shift the index of every layer's replay tensor.
+    ``moe_layer_freq`` (local modules, no Transformer Engine), sliced to each chunk's
+    layers (with PP=2, VPP=2 on four layers: rank 0 holds layers 1 and 3). Only the
+    first stage embeds and only the last has the final norm and output layer.
+    RouterReplay registers every router in a process-global list in build order, so
+    the list is cleared first: a previous model's routers would otherwise shift the
+    index of every layer's replay tensor.
     """
+    from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
     from megatron.core.transformer.moe.router_replay import RouterReplay
 
     RouterReplay.clear_global_router_replay_instances()
-    # get_gpt_decoder_layer_specs, then this stage's slice in TransformerBlockSubmodules.
-    block = get_gpt_decoder_block_spec(
-        config, use_transformer_engine=False, normalization="RMSNorm"
-    )
-    if arch.qk_norm == "full":
-        block.layer_specs = [with_full_width_qk_norm(spec) for spec in block.layer_specs]
+    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+    vpp = config.virtual_pipeline_model_parallel_size
     torch.manual_seed(seed)
-    gpt = GPTModel(
-        config=config,
-        transformer_layer_spec=block,
-        vocab_size=arch.vocab_size,
-        max_sequence_length=arch.max_position_embeddings,
-        pre_process=True,
-        post_process=True,
-        share_embeddings_and_output_weights=arch.tie_word_embeddings,
-        position_embedding_type="rope",
-        rotary_percent=1.0,
-        rotary_base=arch.rope_theta,  # a float is fine: only used in arithmetic
-    )
-    if not cpu_compat_needed():  # pragma: no cover - CUDA path, not exercised on CPU
-        gpt = gpt.cuda()
-    return gpt
+    chunks = []
+    for stage in range(vpp) if vpp else [None]:
+        block = get_gpt_decoder_block_spec(
+            config,
+            use_transformer_engine=False,
+            normalization="RMSNorm",
+            vp_stage=stage,
+            pp_rank=pp_rank,
+        )
+        if arch.qk_norm == "full":
+            block.layer_specs = [with_full_width_qk_norm(spec) for spec in block.layer_specs]
+        gpt = GPTModel(
+            config=config,
+            transformer_layer_spec=block,
+            vocab_size=arch.vocab_size,
+            max_sequence_length=arch.max_position_embeddings,
+            pre_process=parallel_state.is_pipeline_first_stage(
+                ignore_virtual=False, vp_stage=stage
+            ),
+            post_process=parallel_state.is_pipeline_last_stage(
+                ignore_virtual=False, vp_stage=stage
+            ),
+            share_embeddings_and_output_weights=arch.tie_word_embeddings,
+            position_embedding_type="rope",
+            rotary_percent=1.0,
+            rotary_base=arch.rope_theta,  # a float is fine: only used in arithmetic
+            vp_stage=stage,
+        )
+        if not cpu_compat_needed():  # pragma: no cover - CUDA path, not exercised on CPU
+            gpt = gpt.cuda()
+        chunks.append(gpt)
+    return chunks
 
 
 class FlatRMSNorm(torch.nn.RMSNorm):

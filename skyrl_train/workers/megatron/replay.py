@@ -1,10 +1,10 @@
 """The R3 replay driver: check recorded routes, feed them to Megatron's routers, clean up.
 
 Megatron's ``RouterReplay`` keeps its state in a process-global list of per-router
-instances (build order). ``set_replay_data`` takes one ``[tokens, topk]`` tensor per
-instance with tokens flattened **sequence-first** (row ``s*B + b``) and also appends it
-to a backward FIFO that grows forever unless cleared, so every context here clears the
-global state on exit, including after an exception.
+instances (build order). Replay here is keyed by (model chunk, microbatch)
+(``KeyedReplay``), so it holds under every schedule Megatron has, interleaved ones
+included; routes are given to the routers **sequence-first** (row ``s*B + b``).
+Every session clears the global state on exit, including after an exception.
 
 Only the discrete selection is replayed: the router gathers its live scores at the
 given ids, so routing weights (and the router's gradient) are still computed.
@@ -24,7 +24,8 @@ from skyrl_train.errors import RouteReplayError
 
 @dataclass(frozen=True)
 class LocalRouters:
-    """This rank's routers in RouterReplay registration order.
+    """This rank's routers in RouterReplay registration order (its model chunks in
+    order, each chunk's layers in order).
 
     A route tensor ``[B, S, L_moe, K]`` has one layer per MoE layer of the whole model
     (dense layers have no router, and the engine captures none for them);
@@ -38,6 +39,8 @@ class LocalRouters:
     num_experts: int
     top_k: int
     replay_enabled: bool
+    chunks: tuple[int, ...]
+    """The model chunk (virtual pipeline stage, 0 without one) of each local router."""
 
     @property
     def num_layers(self) -> int:
@@ -65,18 +68,20 @@ def moe_layer_numbers(config: Any) -> tuple[int, ...]:
     return tuple(i for i, flag in enumerate(freq) if flag)
 
 
-def local_routers(model: Any) -> LocalRouters:
-    """Find the model's routers, ordered as RouterReplay registered them."""
+def local_routers(chunks: Sequence[Any]) -> LocalRouters:
+    """Find the routers of this rank's model chunks, ordered as RouterReplay
+    registered them."""
     from megatron.core.transformer.moe.router_replay import RouterReplay
 
-    found: list[tuple[Any, int]] = []
-    for layer in model.decoder.layers:
-        router = getattr(getattr(layer, "mlp", None), "router", None)
-        if router is not None:
-            found.append((router, layer.layer_number - 1))
-    config = model.config
+    found: list[tuple[Any, int, int]] = []
+    for c, chunk in enumerate(chunks):
+        for layer in chunk.decoder.layers:
+            router = getattr(getattr(layer, "mlp", None), "router", None)
+            if router is not None:
+                found.append((router, layer.layer_number - 1, c))
+    config = chunks[0].config
     moe_layers = moe_layer_numbers(config)
-    stray = [n for _, n in found if n not in moe_layers]
+    stray = [n for _, n, _c in found if n not in moe_layers]
     if stray:
         raise RouteReplayError(
             f"moe_layer_freq: expected routers in decoder layers {list(moe_layers)}, "
@@ -86,7 +91,7 @@ def local_routers(model: Any) -> LocalRouters:
     if replay_enabled:
         registry = RouterReplay.global_router_replay_instances
         order = {id(inst): i for i, inst in enumerate(registry)}
-        missing = [n for r, n in found if id(r.router_replay) not in order]
+        missing = [n for r, n, _c in found if id(r.router_replay) not in order]
         if missing or len(registry) != len(found):
             raise RouteReplayError(
                 f"RouterReplay registry: expected this model's {len(found)} routers, got "
@@ -94,12 +99,13 @@ def local_routers(model: Any) -> LocalRouters:
             )
         found.sort(key=lambda item: order[id(item[0].router_replay)])
     return LocalRouters(
-        modules=tuple(r for r, _ in found),
-        layers=tuple(n for _, n in found),
+        modules=tuple(r for r, _n, _c in found),
+        layers=tuple(n for _r, n, _c in found),
         moe_layers=moe_layers,
         num_experts=int(config.num_moe_experts),
         top_k=int(config.moe_router_topk),
         replay_enabled=replay_enabled,
+        chunks=tuple(c for _r, _n, c in found),
     )
 
 
@@ -213,90 +219,110 @@ def clear_replay_state() -> None:
     RouterReplay.clear_global_router_replay_action()
 
 
-class ReplayHandle:
-    """Switches the routers from forward replay to backward (recompute) replay."""
+class KeyedReplay:
+    """Replay keyed by (model chunk, microbatch), for any Megatron schedule.
 
-    def backward_phase(self) -> None:
-        """Call before ``backward()``: activation recompute then pops the FIFO that
-        ``set_replay_data`` filled, in forward order, instead of re-routing."""
-        from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
-
-        RouterReplay.set_global_router_replay_action(RouterReplayAction.REPLAY_BACKWARD)
-
-
-@contextmanager
-def routing_replay(routers: LocalRouters, routes: torch.Tensor) -> Iterator[ReplayHandle]:
-    """Replay batch-first ``routes`` ``[B, S, L_moe, K]`` (already validated) for one
-    microbatch."""
-    from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
-
-    if not routers.replay_enabled:
-        raise RouteReplayError(
-            "moe_enable_routing_replay: expected True on the built model to replay routes, got False"
-        )
-    check_registry(routers)
-    clear_replay_state()
-    try:
-        RouterReplay.set_replay_data(to_sequence_first(routes, routers))
-        RouterReplay.set_global_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
-        yield ReplayHandle()
-    finally:
-        clear_replay_state()
-
-
-class RecordHandle:
-    def __init__(self, routers: LocalRouters, batch: int, seq: int) -> None:
-        self._routers, self._batch, self._seq = routers, batch, seq
-
-    def routes(self) -> torch.Tensor:
-        """The recorded top-k ``[B, S, L_local_moe, K]`` (layers in ``routers.layers``
-        order: this rank's routers only)."""
-        from megatron.core.transformer.moe.router_replay import RouterReplay
-
-        recorded = RouterReplay.get_recorded_data()
-        if any(r is None for r in recorded):
-            raise RouteReplayError("RouterReplay RECORD: expected a forward to run first, got none")
-        per_layer = [r.reshape(self._seq, self._batch, -1).transpose(0, 1) for r in recorded]
-        return torch.stack(per_layer, dim=2)
-
-
-@contextmanager
-def routing_record(routers: LocalRouters, *, batch: int, seq: int) -> Iterator[RecordHandle]:
-    """RECORD mode: the routers pick their own experts and keep the top-k ids."""
-    from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
-
-    if not routers.replay_enabled:
-        raise RouteReplayError(
-            "moe_enable_routing_replay: expected True on the built model to record routes, got False"
-        )
-    check_registry(routers)
-    clear_replay_state()
-    try:
-        RouterReplay.set_global_router_replay_action(RouterReplayAction.RECORD)
-        yield RecordHandle(routers, batch, seq)
-    finally:
-        clear_replay_state()
-
-
-@contextmanager
-def capture_dispatch(
-    routers: LocalRouters, *, batch: int, seq: int
-) -> Iterator[list[torch.Tensor]]:
-    """Capture what each router actually dispatched (its routing map), in any mode.
-
-    Yields a list that, after the forward, holds ``[B, S, K]`` ascending expert ids per
-    local router. This reads the router's output, so it also proves that a replay took.
+    Megatron's own helper (``RouterReplay.set_replay_data``) gives every router of the
+    rank the next microbatch's routes and appends them to every router's backward
+    FIFO, which activation recompute pops. Under an interleaved schedule a rank holds
+    several model chunks, each router belongs to one, and the chunks run their
+    forwards and backwards in different orders; a chunk's recompute then pops routes
+    that another chunk's forwards pushed (``tests/.../test_megatron_pipeline.py`` shows
+    it). Here nothing is queued: a chunk's forward of microbatch m sets only that
+    chunk's routers to m's routes, and the gradient reaching the chunk's output sets
+    them to m's routes again, before autograd reaches the recomputed layers (they sit
+    upstream of the output, so their backward runs later). The routers stay in
+    REPLAY_FORWARD throughout.
     """
-    captured: list[torch.Tensor] = []
 
-    def hook(_module: Any, _inputs: Any, output: Any) -> None:
+    def __init__(self, routers: LocalRouters, routes: Sequence[torch.Tensor]) -> None:
+        """``routes[m]``: microbatch m's batch-first ``[b, S, L_moe, K]`` (validated)."""
+        self._routers = routers
+        self._targets = [to_sequence_first(r, routers) for r in routes]
+        self._of_chunk: dict[int, list[int]] = {}
+        for i, chunk in enumerate(routers.chunks):
+            self._of_chunk.setdefault(chunk, []).append(i)
+
+    def arm(self, chunk: int, microbatch: int) -> None:
+        """Before ``chunk``'s forward of ``microbatch``."""
+        from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+        targets = self._targets[microbatch]
+        for i in self._of_chunk.get(chunk, ()):
+            instance = self._routers.modules[i].router_replay
+            instance.target_topk_idx = targets[i]
+            instance.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+
+    def on_backward(self, chunk: int, microbatch: int) -> None:
+        """When the gradient of ``chunk``'s output for ``microbatch`` arrives, before
+        any recompute inside the chunk."""
+        self.arm(chunk, microbatch)
+
+
+@contextmanager
+def replay_session(routers: LocalRouters, *, record: bool = False) -> Iterator[None]:
+    """One schedule's use of the routers: refuse a stale registry, start from clean
+    state and leave clean state, an exception included. ``record``: RECORD mode."""
+    from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
+
+    if not routers.replay_enabled:
+        verb = "record" if record else "replay"
+        raise RouteReplayError(
+            f"moe_enable_routing_replay: expected True on the built model to {verb} "
+            f"routes, got False"
+        )
+    check_registry(routers)
+    clear_replay_state()
+    try:
+        if record:
+            RouterReplay.set_global_router_replay_action(RouterReplayAction.RECORD)
+        yield
+    finally:
+        clear_replay_state()
+
+
+def recorded_routes(routers: LocalRouters, chunk: int, *, batch: int, seq: int) -> torch.Tensor:
+    """RECORD mode's top-k of ``chunk``'s routers after its forward, as
+    ``[B, S, L_chunk, K]`` (router order)."""
+    recorded = [
+        module.router_replay.get_recorded_indices()
+        for module, c in zip(routers.modules, routers.chunks, strict=True)
+        if c == chunk
+    ]
+    if any(r is None for r in recorded):
+        raise RouteReplayError("RouterReplay RECORD: expected a forward to run first, got none")
+    per_layer = [r.reshape(seq, batch, -1).transpose(0, 1) for r in recorded]
+    return torch.stack(per_layer, dim=2)
+
+
+class DispatchCapture:
+    """What each router actually dispatched (its routing map), in any mode, per
+    microbatch: ``begin(m, batch, seq)`` before a chunk's forward, ``end()`` after it.
+    Forwards outside a begin/end pair (activation recompute in the backward) are not
+    recorded. Reading the routers' output also proves that a replay took."""
+
+    def __init__(self, routers: LocalRouters) -> None:
+        self._index = {id(module): i for i, module in enumerate(routers.modules)}
+        self._active: tuple[int, int, int] | None = None
+        self.got: dict[int, dict[int, torch.Tensor]] = {}
+        """microbatch -> local router index -> ``[b, S, K]`` ascending expert ids."""
+        self._handles = [module.register_forward_hook(self._hook) for module in routers.modules]
+
+    def _hook(self, module: Any, _inputs: Any, output: Any) -> None:
+        if self._active is None:
+            return
+        microbatch, batch, seq = self._active
         routing_map = output[1]  # [tokens, E] bool, tokens sequence-first
         ids = routing_map.nonzero()[:, 1].reshape(routing_map.shape[0], -1)
-        captured.append(ids.reshape(seq, batch, -1).transpose(0, 1).detach().cpu())
+        rows = ids.reshape(seq, batch, -1).transpose(0, 1).detach().cpu()
+        self.got.setdefault(microbatch, {})[self._index[id(module)]] = rows
 
-    handles = [module.register_forward_hook(hook) for module in routers.modules]
-    try:
-        yield captured
-    finally:
-        for handle in handles:
+    def begin(self, microbatch: int, *, batch: int, seq: int) -> None:
+        self._active = (microbatch, batch, seq)
+
+    def end(self) -> None:
+        self._active = None
+
+    def close(self) -> None:
+        for handle in self._handles:
             handle.remove()

@@ -1,17 +1,24 @@
 """The Megatron-core policy worker: forward log-probs, train steps, weight export, R3.
 
-The worker runs its own microbatch loop with gradient accumulation and
-``torch.optim.AdamW`` on every device: Megatron's pipeline schedules and optimizer
-wrapper hard-code CUDA, and one loop that runs here is one loop that is tested.
-(Pipeline parallelism, which needs Megatron's schedules, is refused at setup.) Data-parallel gradients are averaged by hand over Megatron's
-groups, the way its DDP scales them (dense and expert grads both by 1/dp_size).
+Every forward and every train step runs through Megatron's own schedules
+(``get_forward_backward_func``: no pipelining, 1F1B, or interleaved with virtual
+stages), on CPU too (``cpu_compat``). The optimizer is ``torch.optim.AdamW``: Megatron's
+optimizer wrapper hard-codes CUDA. Data-parallel gradients are averaged by hand over
+Megatron's groups, the way its DDP scales them (dense and expert grads both by
+1/dp_size).
 
 Expert parallelism with the allgather dispatcher gathers every EP rank's tokens, so
 all ranks of an EP group must run the same number of microbatches of the same shape.
+With pipeline parallelism every microbatch of a schedule is padded to one shape (stages
+exchange fixed-shape activations), the losses and log-probs exist on the last stage
+and are broadcast to the others, and routes captured on each stage are gathered so
+every rank sees all MoE layers.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import math
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -32,6 +39,7 @@ from skyrl_train.workers.megatron.layout import (
     ContiguousBatch,
     batch_to,
     make_contiguous,
+    pad_rows,
     response_logprobs,
     response_logprobs_and_entropy,
     route_filler_tensor,
@@ -40,12 +48,13 @@ from skyrl_train.workers.megatron.layout import (
 )
 from skyrl_train.workers.megatron.model import (
     MEGATRON_CONFIG_KEY,
-    build_gpt_model,
+    build_model_chunks,
     build_transformer_config,
     causal_attention_mask,
     init_parallel_state,
     refuse_unsupported_on_cpu,
 )
+from skyrl_train.workers.megatron.pipeline import PipelineGroup
 
 LossFn = Callable[[torch.Tensor, TrainingBatch], torch.Tensor]
 """``loss_fn(logprobs [b, R], microbatch) -> scalar``."""
@@ -79,6 +88,15 @@ class ForwardResult:
 
 
 @dataclass
+class _ScheduleOutput:
+    logprobs: torch.Tensor | None = None
+    entropy: torch.Tensor | None = None
+    losses: torch.Tensor | None = None
+    """[M] each real microbatch's loss (forward and backward only)."""
+    routes: torch.Tensor | None = None
+
+
+@dataclass
 class TrainStepResult:
     loss: float
     """Mean of the microbatch losses."""
@@ -96,7 +114,12 @@ class TrainStepResult:
 class MegatronPolicyWorker:
     """One rank's policy model. Build with the checkpoint's architecture and the
     ``trainer.policy.megatron_config`` node, then ``setup()``. Routes are
-    ``[B, S, L_moe, K]``: MoE layers only."""
+    ``[B, S, L_moe, K]``: MoE layers only, every stage's."""
+
+    replay_driver: Callable[[replay.LocalRouters, Sequence[torch.Tensor]], Any] = replay.KeyedReplay
+    """Builds the schedule's replay driver from the routers and each microbatch's
+    routes; its ``arm(chunk, microbatch)`` runs before a chunk's forward and
+    ``on_backward(chunk, microbatch)`` when the gradient reaches that chunk's output."""
 
     def __init__(
         self,
@@ -115,8 +138,11 @@ class MegatronPolicyWorker:
         self.seed = seed
         self.pad_token_id = pad_token_id
         self.model: Any = None
+        """This rank's model: its one chunk, or a ModuleList of its virtual stages'."""
+        self.chunks: list[Any] = []
         self.optimizer: torch.optim.Optimizer | None = None
         self.routers: replay.LocalRouters | None = None
+        self._pipeline = PipelineGroup(size=1, rank=0, virtual_stages=None)
 
     # ---- setup -----------------------------------------------------------------
 
@@ -127,8 +153,10 @@ class MegatronPolicyWorker:
         config = build_transformer_config(self.architecture, self.megatron_config)
         refuse_unsupported_on_cpu(self.megatron_config)
         init_parallel_state(self.megatron_config, seed=self.seed)
-        self.model = build_gpt_model(self.architecture, config, seed=self.seed)
-        self.routers = replay.local_routers(self.model)
+        self.chunks = build_model_chunks(self.architecture, config, seed=self.seed)
+        self.model = self.chunks[0] if len(self.chunks) == 1 else torch.nn.ModuleList(self.chunks)
+        self._pipeline = PipelineGroup.current()
+        self.routers = replay.local_routers(self.chunks)
         if self.routers.moe_layers != self.architecture.moe_layers:
             # The engine's routes cover the checkpoint's MoE layers; a passthrough
             # moe_layer_freq that builds others would replay them into the wrong layers.
@@ -152,7 +180,7 @@ class MegatronPolicyWorker:
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
         """Load HF-named tensors of the architecture's family (the engine's layout);
         returns how many."""
-        return convert.load_hf_weights(self._require_model(), named_tensors, self.architecture)
+        return convert.load_hf_weights(self._require_chunks(), named_tensors, self.architecture)
 
     def parameter_snapshot(self) -> dict[str, torch.Tensor]:
         """A detached copy of this rank's parameters (its shards), for ``swapped_weights``."""
@@ -190,9 +218,9 @@ class MegatronPolicyWorker:
                 params[name].data = data
 
     def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Stream the weights in the engine's layout, one tensor at a time. With EP > 1
-        every rank of the expert-parallel group must consume it in lockstep."""
-        return convert.export_hf_weights(self._require_model(), self.architecture)
+        """Stream the whole model's weights in the engine's layout, one tensor at a time.
+        With EP > 1 or PP > 1 every rank of those groups must consume it in lockstep."""
+        return convert.export_hf_weights(self._require_chunks(), self.architecture)
 
     # ---- forward ----------------------------------------------------------------
 
@@ -211,25 +239,18 @@ class MegatronPolicyWorker:
         ``replay_routes=None`` replays when the config enables it and the batch has routes.
         ``entropy=True`` also returns each response position's full-vocabulary entropy.
         """
-        model = self._require_model()
         do_replay = self._check_replay(batch, replay_routes, trajectory_ids)
-        logprobs, entropies, routes = [], [], []
-        model.eval()
+        micro = list(self._microbatches(batch, micro_batch_size))
+        self._require_model().eval()
         with torch.no_grad():
-            for mb in self._microbatches(batch, micro_batch_size):
-                layout = make_contiguous(mb, pad_token_id=self.pad_token_id)
-                lp, ent, captured = self._forward_micro(
-                    mb, layout, do_replay, capture_routes, entropy
-                )
-                logprobs.append(lp)
-                if ent is not None:
-                    entropies.append(ent)
-                if captured is not None:
-                    routes.append(captured)
+            out = self._schedule(
+                micro, loss_fn=None, do_replay=do_replay, capture=capture_routes, entropy=entropy
+            )
+        assert out.logprobs is not None
         return ForwardResult(
-            logprobs=torch.cat(logprobs),
-            routes=torch.cat(routes) if capture_routes else None,
-            entropy=torch.cat(entropies) if entropy else None,
+            logprobs=out.logprobs,
+            routes=out.routes if capture_routes else None,
+            entropy=out.entropy if entropy else None,
         )
 
     def forward_logprobs(self, batch: TrainingBatch, **options: Any) -> torch.Tensor:
@@ -240,19 +261,15 @@ class MegatronPolicyWorker:
         self, batch: TrainingBatch, *, micro_batch_size: int | None = None
     ) -> torch.Tensor:
         """The trainer's own top-k (Megatron RECORD mode, router order) as
-        ``[B, S, L_local_moe, K]`` in the batch layout; needs replay enabled on the model."""
-        model, routers = self._require_model(), self._require_routers()
-        out = []
-        model.eval()
+        ``[B, S, L_moe, K]`` in the batch layout; needs replay enabled on the model."""
+        micro = list(self._microbatches(batch, micro_batch_size))
+        self._require_model().eval()
         with torch.no_grad():
-            for mb in self._microbatches(batch, micro_batch_size):
-                layout = make_contiguous(mb, pad_token_id=self.pad_token_id)
-                rows, seq = layout.tokens.shape
-                with replay.routing_record(routers, batch=rows, seq=seq) as handle:
-                    self._logits(layout)
-                    recorded = handle.routes()
-                out.append(self._to_batch_layout(recorded.cpu(), layout))
-        return torch.cat(out)
+            out = self._schedule(
+                micro, loss_fn=None, do_replay=False, capture=False, entropy=False, record=True
+            )
+        assert out.routes is not None
+        return out.routes
 
     def router_agreement(
         self,
@@ -275,18 +292,16 @@ class MegatronPolicyWorker:
     def rollout_router_agreement(
         self, batch: TrainingBatch, routes: torch.Tensor
     ) -> RouterAgreement:
-        """Agreement of ``routes`` (``ForwardResult.routes``, this rank's routers) with
-        the batch's rollout routes over real rows the rollout captured, with the
-        token-layer count that weights it across ranks."""
+        """Agreement of ``routes`` (``ForwardResult.routes``: every MoE layer) with the
+        batch's rollout routes over real rows the rollout captured, with the
+        token-layer count that weights it across data-parallel ranks."""
         if batch.routed_experts is None:
             raise RouteReplayError("routed_experts: expected routes to compare against, got None")
-        routers = self._require_routers()
-        replay.check_route_shape(batch.routed_experts, routers)
-        reference = batch.routed_experts[:, :, list(routers.route_layers)]
+        replay.check_route_shape(batch.routed_experts, self._require_routers())
         skip = ~batch.attention_mask.to(torch.bool)
         if batch.router_padding_mask is not None:
             skip = skip | batch.router_padding_mask.to(torch.bool)
-        return router_agreement(routes, reference, skip)
+        return router_agreement(routes, batch.routed_experts, skip)
 
     # ---- training -----------------------------------------------------------------
 
@@ -312,26 +327,9 @@ class MegatronPolicyWorker:
         micro = list(self._microbatches(batch, micro_batch_size))
         model.train()
         optimizer.zero_grad(set_to_none=True)
-        losses, captured = [], []
-        for mb in micro:
-            layout = make_contiguous(mb, pad_token_id=self.pad_token_id)
-            # One microbatch's routes enter the routers at a time; the context clears
-            # the global replay state after backward, and on any exception.
-            with self._replay_or_nothing(layout, do_replay) as handle:
-                logits, routes = self._logits_and_routes(layout, capture_routes)
-                if routes is not None:
-                    captured.append(routes)
-                extra: tuple[torch.Tensor, ...] = ()
-                if entropy:
-                    logprobs, ent = response_logprobs_and_entropy(logits, layout, mb.response_mask)
-                    extra = (ent,)
-                else:
-                    logprobs = response_logprobs(logits, layout, mb.response_mask)
-                loss = loss_fn(logprobs, batch_to(mb, logprobs.device), *extra)  # type: ignore[arg-type]
-                if handle is not None:
-                    handle.backward_phase()
-                (loss / len(micro)).backward()
-            losses.append(float(loss.detach()))
+        out = self._schedule(
+            micro, loss_fn=loss_fn, do_replay=do_replay, capture=capture_routes, entropy=entropy
+        )
         self._sync_gradients()
         grad_norm = self._clip_gradients()
         # A NaN norm passes the clip (NaN > limit is False) and AdamW would write NaN
@@ -342,16 +340,174 @@ class MegatronPolicyWorker:
             for group in optimizer.param_groups:
                 group["lr"] = lr
             optimizer.step()
+        assert out.losses is not None
         return TrainStepResult(
-            loss=sum(losses) / len(losses),
+            loss=float(out.losses.mean()),
             grad_norm=grad_norm,
             num_microbatches=len(micro),
             replayed=do_replay,
             lr=lr,
-            routes=torch.cat(captured) if capture_routes else None,
+            routes=out.routes if capture_routes else None,
         )
 
-    # ---- internals ------------------------------------------------------------------
+    # ---- the schedule -----------------------------------------------------------------
+
+    def _schedule(
+        self,
+        micro: list[TrainingBatch],
+        *,
+        loss_fn: LossFn | EntropyLossFn | None,
+        do_replay: bool,
+        capture: bool,
+        entropy: bool,
+        record: bool = False,
+    ) -> _ScheduleOutput:
+        """Run ``micro`` through Megatron's schedule for this parallel layout.
+
+        ``loss_fn=None``: forward only, keeping each microbatch's logprobs (and
+        entropy); otherwise forward and backward, keeping each microbatch's loss. The
+        microbatches' count and shape are padded as the pipeline needs (a padding
+        microbatch's loss is a zero that keeps the graph).
+        """
+        from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
+
+        routers = self._require_routers()
+        layouts = [make_contiguous(mb, pad_token_id=self.pad_token_id) for mb in micro]
+        count, rows = len(micro), max(mb.batch_size for mb in micro)
+        inputs, total = layouts, count
+        if self._pipeline.size > 1:
+            inputs = [pad_rows(layout, rows, pad_token_id=self.pad_token_id) for layout in layouts]
+            total = self._pipeline.padded_count(count)
+            blank = pad_rows(
+                ContiguousBatch(
+                    tokens=layouts[0].tokens[:0],
+                    shifts=layouts[0].shifts[:0],
+                    prompt_lens=layouts[0].prompt_lens[:0],
+                    padding_mask=layouts[0].padding_mask[:0],
+                    routes=None if layouts[0].routes is None else layouts[0].routes[:0],
+                ),
+                rows,
+                pad_token_id=self.pad_token_id,
+            )
+            inputs = inputs + [blank] * (total - count)
+        # Megatron divides each microbatch's loss by the (padded) count; the worker's
+        # contract is a mean over the real ones.
+        scale = total / count
+        logprobs: list[torch.Tensor | None] = [None] * count
+        entropies: list[torch.Tensor | None] = [None] * count
+        losses = torch.zeros(count, dtype=torch.float64)
+        recorded: dict[int, dict[int, torch.Tensor]] = {}
+        driver = None
+        if do_replay:  # _check_replay saw routes, so every layout has them
+            driver = self.replay_driver(routers, [_routes_of(layout) for layout in inputs])
+        capturer = replay.DispatchCapture(routers) if capture else None
+
+        def loss_func(m: int, logits: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
+            if m >= count:
+                return logits.sum() * 0.0, {}
+            mb, layout = micro[m], layouts[m]
+            logits = logits[: mb.batch_size]
+            extra: tuple[torch.Tensor, ...] = ()
+            if entropy:
+                lp, ent = response_logprobs_and_entropy(logits, layout, mb.response_mask)
+                extra = (ent,)
+            else:
+                lp = response_logprobs(logits, layout, mb.response_mask)
+            if loss_fn is None:
+                logprobs[m] = lp.cpu()
+                entropies[m] = extra[0].cpu() if extra else None
+                return torch.zeros(()), {}
+            loss = loss_fn(lp, batch_to(mb, lp.device), *extra)  # type: ignore[arg-type]
+            losses[m] = float(loss.detach())
+            return loss * scale, {}
+
+        def forward_step(data: Iterator[tuple[int, int]], model: Any) -> tuple[Any, Any]:
+            chunk, m = next(data)
+            layout = inputs[m]
+            batch_rows, seq = layout.tokens.shape
+            if driver is not None:
+                driver.arm(chunk, m)
+            if capturer is not None:
+                capturer.begin(m, batch=batch_rows, seq=seq)
+            try:
+                output = self._chunk_forward(model, layout)
+            finally:
+                if capturer is not None:
+                    capturer.end()
+            if record:
+                recorded.setdefault(m, {})[chunk] = replay.recorded_routes(
+                    routers, chunk, batch=batch_rows, seq=seq
+                )
+            if driver is not None and output.requires_grad:
+                output.register_hook(lambda _grad: driver.on_backward(chunk, m))
+            return output, functools.partial(loss_func, m)
+
+        chunks = self._require_chunks()
+        iterators = [iter([(c, m) for m in range(total)]) for c in range(len(chunks))]
+        session = (
+            replay.replay_session(routers, record=record)
+            if do_replay or record
+            else contextlib.nullcontext()
+        )
+        try:
+            with session:
+                get_forward_backward_func()(
+                    forward_step_func=forward_step,
+                    data_iterator=iterators if len(chunks) > 1 else iterators[0],
+                    model=chunks if len(chunks) > 1 else chunks[0],
+                    num_microbatches=total,
+                    seq_length=inputs[0].tokens.shape[1],
+                    micro_batch_size=rows,
+                    forward_only=loss_fn is None,
+                )
+        finally:
+            if capturer is not None:
+                capturer.close()
+        routes = None
+        if capturer is not None:
+            routes = self._gather_routes(micro, layouts, capturer.got)
+        elif record:
+            routes = self._gather_routes(
+                micro,
+                layouts,
+                {
+                    m: dict(enumerate(torch.cat([by[c] for c in sorted(by)], dim=2).unbind(2)))
+                    for m, by in recorded.items()
+                },
+            )
+        if loss_fn is not None:
+            return _ScheduleOutput(losses=self._pipeline.from_last_stage(losses), routes=routes)
+        shapes = [(mb.batch_size, mb.response_mask.shape[1]) for mb in micro]
+        got = self._pipeline.tensors_from_last_stage(logprobs, shapes)
+        ents = self._pipeline.tensors_from_last_stage(entropies, shapes) if entropy else None
+        return _ScheduleOutput(
+            logprobs=torch.cat(got),
+            entropy=torch.cat(ents) if ents is not None else None,
+            routes=routes,
+        )
+
+    def _gather_routes(
+        self,
+        micro: list[TrainingBatch],
+        layouts: list[ContiguousBatch],
+        got: Mapping[int, Mapping[int, torch.Tensor]],
+    ) -> torch.Tensor:
+        """``[B, S, L_moe, K]`` in the batch layout from each microbatch's per-router
+        ``[b_padded, S, K]``: every stage fills its own MoE layers, the pipeline group
+        sums the rest in (disjoint layers, zeros elsewhere)."""
+        routers = self._require_routers()
+        parts = []
+        for m, (mb, layout) in enumerate(zip(micro, layouts, strict=True)):
+            local = torch.stack(
+                [got[m][i][: mb.batch_size] for i in range(len(routers.modules))], dim=2
+            )
+            local = self._to_batch_layout(local, layout)
+            full = torch.zeros(
+                *local.shape[:2], routers.num_layers, local.shape[3], dtype=local.dtype
+            )
+            full[:, :, list(routers.route_layers)] = local
+            parts.append(full)
+        return self._pipeline.sum_over_stages(torch.cat(parts))
 
     def _warmed_up_lr(self, optimizer: torch.optim.Optimizer) -> float:
         opt = self.optimizer_settings
@@ -366,6 +522,10 @@ class MegatronPolicyWorker:
         if self.model is None:
             raise RuntimeError("MegatronPolicyWorker: call setup() first")
         return self.model
+
+    def _require_chunks(self) -> list[Any]:
+        self._require_model()
+        return self.chunks
 
     def _require_routers(self) -> replay.LocalRouters:
         self._require_model()
@@ -409,16 +569,12 @@ class MegatronPolicyWorker:
         for start in range(0, batch.batch_size, size):
             yield slice_batch(batch, start, min(start + size, batch.batch_size))
 
-    def _replay_or_nothing(self, layout: ContiguousBatch, do_replay: bool) -> Any:
-        if do_replay:
-            assert layout.routes is not None
-            return replay.routing_replay(self._require_routers(), layout.routes)
-        return _NoReplay()
-
-    def _logits(self, layout: ContiguousBatch) -> torch.Tensor:
-        model = self._require_model()
+    def _chunk_forward(self, chunk: Any, layout: ContiguousBatch) -> torch.Tensor:
+        """One model chunk's forward: logits ``[b, S, V]`` on the last stage, hidden
+        states ``[S, b, H]`` elsewhere (a later stage reads its input from the
+        schedule's ``set_input_tensor``, not from the tokens)."""
         rows, seq = layout.tokens.shape
-        device = next(model.parameters()).device
+        device = next(chunk.parameters()).device
         # Megatron ignores position_ids for RoPE; they are passed because the
         # signature requires them. padding_mask: GPTModel.forward (0.16) takes [B, S]
         # and hands it, transposed, to every router, where True means *padding* (the
@@ -427,39 +583,12 @@ class MegatronPolicyWorker:
         # rows still get replayed (arange(K)), since the dropless dispatcher needs
         # tokens*K routes.
         positions = torch.arange(seq, device=device)[None, :].expand(rows, seq)
-        return model(
+        return chunk(
             layout.tokens.to(device),
             positions,
             causal_attention_mask(seq, device=device),
             padding_mask=layout.padding_mask.to(device),
         )
-
-    def _logits_and_routes(
-        self, layout: ContiguousBatch, capture: bool
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The forward's logits and, with ``capture``, what each router dispatched
-        (batch layout); the hooks are gone before any backward recompute."""
-        if not capture:
-            return self._logits(layout), None
-        rows, seq = layout.tokens.shape
-        with replay.capture_dispatch(self._require_routers(), batch=rows, seq=seq) as got:
-            logits = self._logits(layout)
-        return logits, self._to_batch_layout(torch.stack(got, dim=2), layout)
-
-    def _forward_micro(
-        self,
-        mb: TrainingBatch,
-        layout: ContiguousBatch,
-        do_replay: bool,
-        capture: bool,
-        entropy: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        with self._replay_or_nothing(layout, do_replay):
-            logits, routes = self._logits_and_routes(layout, capture)
-        if not entropy:
-            return response_logprobs(logits, layout, mb.response_mask).cpu(), None, routes
-        logprobs, ent = response_logprobs_and_entropy(logits, layout, mb.response_mask)
-        return logprobs.cpu(), ent.cpu(), routes
 
     def _to_batch_layout(self, routes: torch.Tensor, layout: ContiguousBatch) -> torch.Tensor:
         filler = route_filler_tensor(routes)
@@ -483,7 +612,8 @@ class MegatronPolicyWorker:
             param.grad.div_(dp_size)
 
     def _clip_gradients(self) -> float:
-        """Global L2 norm (expert shards summed over the EP group), then clip."""
+        """Global L2 norm (expert shards summed over the EP group, stages over the
+        pipeline group), then clip."""
         from megatron.core import parallel_state
 
         dense_sq = torch.zeros((), dtype=torch.float64)
@@ -499,7 +629,8 @@ class MegatronPolicyWorker:
             torch.distributed.all_reduce(
                 expert_sq, group=parallel_state.get_expert_model_parallel_group()
             )
-        norm = math.sqrt(float(dense_sq + expert_sq))
+        # Each stage holds its own layers: the squares add up over the pipeline group.
+        norm = math.sqrt(float(self._pipeline.sum_over_stages(dense_sq + expert_sq)))
         limit = self.optimizer_settings.max_grad_norm
         if limit > 0 and norm > limit:
             scale = limit / (norm + 1e-6)
@@ -508,9 +639,6 @@ class MegatronPolicyWorker:
         return norm
 
 
-class _NoReplay:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
+def _routes_of(layout: ContiguousBatch) -> torch.Tensor:
+    assert layout.routes is not None
+    return layout.routes

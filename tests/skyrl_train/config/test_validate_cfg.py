@@ -41,17 +41,40 @@ def test_r3_off_everywhere_is_valid_even_with_vpp_and_fusion() -> None:
 # ------------------------------------------------------------------ R3 refusals
 
 
-@pytest.mark.parametrize("vpp", [1, 2])
-def test_replay_refuses_truthy_vpp(vpp: int) -> None:
-    err = _refusal(
-        [
-            f"{POLICY}.pipeline_model_parallel_size=2",
-            "trainer.placement.num_trainers=2",
-            f"{POLICY}.virtual_pipeline_model_parallel_size={vpp}",
-        ]
+PP2 = [f"{POLICY}.pipeline_model_parallel_size=2", "trainer.placement.num_trainers=2"]
+PP4 = [f"{POLICY}.pipeline_model_parallel_size=4", "trainer.placement.num_trainers=4"]
+
+
+def test_replay_accepts_the_interleaved_schedule_its_tests_prove() -> None:
+    validate_cfg(load_config([*PP2, f"{POLICY}.virtual_pipeline_model_parallel_size=2"]))
+    validate_cfg(
+        load_config(
+            [
+                *PP2,
+                f"{POLICY}.virtual_pipeline_model_parallel_size=2",
+                f"+{POLICY}.{KW}.recompute_granularity=full",
+                f"+{POLICY}.{KW}.recompute_method=uniform",
+                f"+{POLICY}.{KW}.recompute_num_layers=1",
+            ]
+        )
     )
-    assert err.path == f"{POLICY}.virtual_pipeline_model_parallel_size"
-    assert "routing replay" in err.reason and "stale" in err.reason
+
+
+@pytest.mark.parametrize(
+    ("overrides", "key"),
+    [
+        # VPP=1 is no interleaving at all, but Megatron would still take the
+        # interleaved path; VPP=4 at PP=2 and PP=4 were never run with replay.
+        ([*PP2, f"{POLICY}.virtual_pipeline_model_parallel_size=1"], "virtual_pipeline_model_parallel_size"),
+        ([*PP2, "model.builtin.num_layers=8", f"{POLICY}.virtual_pipeline_model_parallel_size=4"], "virtual_pipeline_model_parallel_size"),
+        ([*PP4, "model.builtin.num_layers=8", f"{POLICY}.virtual_pipeline_model_parallel_size=2"], "virtual_pipeline_model_parallel_size"),
+        ([*PP2, f"{POLICY}.virtual_pipeline_model_parallel_size=2", f"+{POLICY}.{KW}.recompute_granularity=selective"], f"{KW}.recompute_granularity"),
+    ],
+)  # fmt: skip
+def test_replay_refuses_interleaving_no_test_proves(overrides: list[str], key: str) -> None:
+    err = _refusal(overrides)
+    assert err.path == f"{POLICY}.{key}"
+    assert "routing replay" in err.reason and "proven" in err.reason
 
 
 def test_same_vpp_without_replay_is_valid() -> None:

@@ -3,6 +3,7 @@ replay, route checks, and the contiguous re-layout of left-padded rows."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -30,11 +31,20 @@ def _setup(**values: Any) -> None:
     MegatronPolicyWorker(ARCH, MegatronConfig(**values)).setup()
 
 
-def test_worker_refuses_vpp_with_replay_naming_the_key() -> None:
+def test_worker_refuses_unproven_vpp_with_replay_naming_the_key() -> None:
     with pytest.raises(ConfigValidationError) as err:
         _setup(moe_enable_routing_replay=True, virtual_pipeline_model_parallel_size=2)
     assert err.value.path == f"{KEY}.virtual_pipeline_model_parallel_size"
-    assert "virtual pipeline" in str(err.value)
+    assert "got 2 at pipeline size 1" in str(err.value)
+    # Refused before any process group or model exists (PP=2 needs two ranks).
+    with pytest.raises(ConfigValidationError) as err:
+        _setup(
+            moe_enable_routing_replay=True,
+            pipeline_model_parallel_size=2,
+            virtual_pipeline_model_parallel_size=2,
+            transformer_config_kwargs={"recompute_granularity": "selective"},
+        )
+    assert err.value.path == f"{KEY}.transformer_config_kwargs.recompute_granularity"
 
 
 def test_worker_refuses_vpp_resolved_from_passthrough_kwargs() -> None:
@@ -80,9 +90,17 @@ def test_expert_tensor_parallel_size_reaches_the_transformer_config() -> None:
     assert transformer_config_kwargs(ARCH, mc)["expert_tensor_parallel_size"] == 1
 
 
-def test_cpu_path_refuses_tensor_and_pipeline_parallelism() -> None:
-    with pytest.raises(ConfigValidationError, match=rf"^{KEY}\.pipeline_model_parallel_size"):
-        refuse_unsupported_on_cpu(MegatronConfig(pipeline_model_parallel_size=2))
+def test_pipelines_refuse_tied_embeddings() -> None:
+    tied = dataclasses.replace(ARCH, tie_word_embeddings=True)
+    with pytest.raises(ConfigValidationError, match=rf"^{KEY}\.pipeline_model_parallel_size: "):
+        MegatronPolicyWorker(tied, MegatronConfig(pipeline_model_parallel_size=2)).setup()
+
+
+def test_cpu_path_refuses_tensor_and_context_parallelism_not_pipelines() -> None:
+    for key in ("tensor_model_parallel_size", "context_parallel_size"):
+        with pytest.raises(ConfigValidationError, match=rf"^{KEY}\.{key}: expected 1 on CPU"):
+            refuse_unsupported_on_cpu(MegatronConfig(**{key: 2}))
+    refuse_unsupported_on_cpu(MegatronConfig(pipeline_model_parallel_size=2))
 
 
 # ---- route checks --------------------------------------------------------------
@@ -94,6 +112,7 @@ ROUTERS = LocalRouters(
     num_experts=8,
     top_k=2,
     replay_enabled=True,
+    chunks=(0, 0, 0, 0),
 )
 
 
@@ -133,6 +152,7 @@ def test_repeated_expert_is_found_wherever_it_sits_in_the_row() -> None:
         num_experts=8,
         top_k=3,
         replay_enabled=True,
+        chunks=(0, 0, 0, 0),
     )
     gen = torch.Generator().manual_seed(0)
     routes = torch.rand(2, 5, 4, 8, generator=gen).argsort(-1)[..., :3]
@@ -164,6 +184,7 @@ def test_layer_of_all_zeros_is_refused_padding_ignored() -> None:
         num_experts=8,
         top_k=1,
         replay_enabled=True,
+        chunks=(0, 0, 0, 0),
     )
     ones = _routes()[..., :1]
     ones[1, :, 0] = 0  # top-1 rows of zeros are each valid; the whole layer is not
@@ -173,7 +194,13 @@ def test_layer_of_all_zeros_is_refused_padding_ignored() -> None:
 
 def test_dense_first_models_take_moe_layers_only_and_name_both_numbers() -> None:
     routers = LocalRouters(
-        modules=(), layers=(1, 2), moe_layers=(1, 2), num_experts=8, top_k=2, replay_enabled=True
+        modules=(),
+        layers=(1, 2),
+        moe_layers=(1, 2),
+        num_experts=8,
+        top_k=2,
+        replay_enabled=True,
+        chunks=(0, 0),
     )
     assert routers.num_layers == 2 and routers.route_layers == (0, 1)
     with pytest.raises(RouteReplayError, match=r"expected 2 MoE layers x top-2 .*got 4 layers"):

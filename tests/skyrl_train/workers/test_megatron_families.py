@@ -220,14 +220,15 @@ def test_the_builtin_model_builds_as_it_did_from_one_local_spec() -> None:
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    from skyrl_train.workers.megatron.model import build_gpt_model, build_transformer_config
+    from skyrl_train.workers.megatron.model import build_model_chunks, build_transformer_config
 
     cfg = TinyMoEConfig()
     arch = cfg.architecture()
     mc = MegatronConfig(moe_enable_routing_replay=False)
     worker = MegatronPolicyWorker(arch, mc).setup()  # parallel state
     config = build_transformer_config(arch, mc)
-    built = build_gpt_model(arch, config, seed=3).state_dict()
+    (chunk,) = build_model_chunks(arch, config, seed=3)
+    built = chunk.state_dict()
     torch.manual_seed(3)
     spec = get_gpt_layer_local_spec(
         num_experts=cfg.num_experts,

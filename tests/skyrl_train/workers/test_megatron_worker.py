@@ -152,16 +152,10 @@ def test_replay_forces_the_given_experts_and_router_still_learns(worker, hf_mode
     assert worker.router_agreement(batch, replay_routes=True) == 1.0
     assert _replay_state_is_clear()
 
-    worker.model.train()
-    worker.model.zero_grad(set_to_none=True)
-    from skyrl_train.workers.megatron.layout import make_contiguous, response_logprobs
-    from skyrl_train.workers.megatron.replay import routing_replay
-
-    layout = make_contiguous(batch, pad_token_id=PAD_ID)
-    with routing_replay(worker.routers, layout.routes) as handle:
-        logits = worker._logits(layout)
-        handle.backward_phase()
-        response_logprobs(logits, layout, batch.response_mask).sum().backward()
+    # Replay fixes the selection, not the weights: the router still gets a gradient.
+    worker.optimizer.param_groups[0]["lr"] = 0.0
+    step = worker.train_step(batch, loss_fn=lambda lp, mb: -lp.sum(), micro_batch_size=3)
+    assert step.replayed
     for layer in worker.model.decoder.layers:
         grad = layer.mlp.router.weight.grad
         assert grad is not None and grad.abs().sum().item() > 0
@@ -179,20 +173,23 @@ def test_record_mode_reports_the_trainers_own_routes(worker, hf_model) -> None:
 
 
 def test_only_each_microbatchs_routes_enter_the_routers(worker, monkeypatch) -> None:
-    from megatron.core.transformer.moe.router_replay import RouterReplay
+    from skyrl_train.workers.megatron.replay import KeyedReplay
 
-    shapes: list[tuple[int, ...]] = []
-    original = RouterReplay.set_replay_data
+    armed: list[tuple[int, int, tuple[int, ...]]] = []
+    original = KeyedReplay.arm
 
-    def spy(tensors):
-        shapes.append(tuple(tuple(t.shape) for t in tensors))
-        return original(tensors)
+    def spy(self, chunk: int, microbatch: int) -> None:
+        original(self, chunk, microbatch)
+        targets = [m.router_replay.target_topk_idx for m in worker.routers.modules]
+        armed.append((chunk, microbatch, tuple(tuple(t.shape) for t in targets)))
+        # Nothing is queued for a recompute to pop: targets are set, never appended.
+        assert all(not m.router_replay.replay_backward_list for m in worker.routers.modules)
 
-    monkeypatch.setattr(RouterReplay, "set_replay_data", staticmethod(spy))
+    monkeypatch.setattr(KeyedReplay, "arm", spy)
     seq = _text_batch().sequences.shape[1]
     routes = [random_routes(1, seq, L, E, K, seed=b)[0, :4] for b in range(3)]
     worker.forward(_text_batch(routes=routes), micro_batch_size=2)
-    assert shapes == [((seq * 2, K),) * L, ((seq * 1, K),) * L]
+    assert armed == [(0, 0, ((seq * 2, K),) * L), (0, 1, ((seq * 1, K),) * L)]
 
 
 def test_exception_mid_schedule_leaves_no_replay_state(worker) -> None:

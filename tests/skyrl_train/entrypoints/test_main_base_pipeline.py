@@ -1,0 +1,142 @@
+"""End to end with a two-stage pipeline on Ray (gloo) and R3, on Megatron's 1F1B
+schedule (PP=2) and on its interleaved one (PP=2 with two virtual stages each, and
+full activation recompute): two GRPO steps, weight sync gathered from both stages,
+per-stage checkpoints, and the first step compared with the same step on one rank
+(fp32 rollouts give both runs the same batch)."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from _e2e import SMALL, probe, with_overrides
+
+from skyrl_train.config.compose import load_config
+from skyrl_train.config.schema import PPOConfig
+from skyrl_train.entrypoints.main_base import launch
+from skyrl_train.trainer.policy import RankInfo
+
+pytestmark = pytest.mark.slow
+
+MC = "trainer.policy.megatron_config"
+PIPELINE = with_overrides(
+    SMALL,
+    "trainer.num_steps=2",
+    "trainer.eval_interval=0",
+    # 2 prompts x 4 samples, one optimizer step of 8 rows in 4 microbatches: the
+    # interleaved schedule runs two groups of two (PP=2) and overlaps their passes.
+    "trainer.micro_train_batch_size_per_gpu=2",
+    "trainer.micro_forward_batch_size_per_gpu=2",
+    "trainer.placement.num_trainers=2",
+    "trainer.placement.cpus_per_trainer=0.5",
+    f"{MC}.pipeline_model_parallel_size=2",
+    "logging.plot=false",
+)
+INTERLEAVED = [
+    f"{MC}.virtual_pipeline_model_parallel_size=2",
+    # Full recompute: the recomputed forwards must replay the routes too.
+    f"+{MC}.transformer_config_kwargs.recompute_granularity=full",
+    f"+{MC}.transformer_config_kwargs.recompute_method=uniform",
+    f"+{MC}.transformer_config_kwargs.recompute_num_layers=1",
+]
+ONE_RANK = with_overrides(
+    PIPELINE,
+    "trainer.num_steps=1",
+    "trainer.ckpt_interval=0",
+    "trainer.placement.num_trainers=1",
+    "trainer.placement.cpus_per_trainer=1",
+    f"{MC}.pipeline_model_parallel_size=1",
+)
+
+
+@dataclass
+class PipelineRun:
+    cfg: PPOConfig
+    history: list[dict[str, float]]
+    ranks: list[RankInfo]
+    before: list[float]
+    after: list[float]
+    after_reload: list[float]
+
+
+@pytest.fixture(scope="module", params=["1f1b", "interleaved"])
+def pipeline(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> PipelineRun:
+    run_dir = tmp_path_factory.mktemp(f"r3_pp2_{request.param}") / "run"
+    extra = INTERLEAVED if request.param == "interleaved" else []
+    cfg = load_config([*PIPELINE, *extra, f"trainer.run_dir={run_dir}"])
+    with launch(cfg) as job:
+        before = probe(job.server_urls[0], job.api_key)
+        history = job.train()
+        after = probe(job.server_urls[0], job.api_key)
+        # Each stage reloads its own file and the export gathers both again: a stage
+        # that restored the other's layers would change the served weights.
+        checkpoint = run_dir / "checkpoints" / "step_000002"
+
+        async def reload() -> None:
+            await job.loop.load_checkpoint(checkpoint)
+            await job.policy.push_weights(job.server_urls, api_key=job.api_key)
+
+        asyncio.run(reload())
+        after_reload = probe(job.server_urls[0], job.api_key)
+        ranks = list(job.policy.ranks)
+    return PipelineRun(cfg, history, ranks, before, after, after_reload)
+
+
+@pytest.fixture(scope="module")
+def one_rank(tmp_path_factory: pytest.TempPathFactory) -> dict[str, float]:
+    run_dir = tmp_path_factory.mktemp("r3_pp1") / "run"
+    cfg = load_config([*ONE_RANK, f"trainer.run_dir={run_dir}"])
+    with launch(cfg) as job:
+        (metrics,) = job.train()
+        return metrics
+
+
+def test_ranks_are_the_two_pipeline_stages(pipeline: PipelineRun) -> None:
+    assert [(r.rank, r.dp_size, r.pp_rank, r.pp_size) for r in pipeline.ranks] == [
+        (0, 1, 0, 2),
+        (1, 1, 1, 2),
+    ]
+
+
+def test_two_steps_train_with_every_route_replayed(pipeline: PipelineRun) -> None:
+    assert len(pipeline.history) == 2
+    for metrics in pipeline.history:
+        assert metrics["r3/router_agreement_trained"] == 1.0
+        for key in ("train/policy_loss", "train/grad_norm", "policy/entropy"):
+            assert math.isfinite(metrics[key]), key
+    assert pipeline.history[0]["reward/std"] > 0  # else advantages are 0 and nothing trains
+
+
+def test_weights_sync_from_both_stages_and_checkpoints_restore_them(
+    pipeline: PipelineRun,
+) -> None:
+    assert len(pipeline.before) == len(pipeline.after) > 0
+    assert pipeline.before != pipeline.after
+    checkpoint = Path(pipeline.cfg.trainer.run_dir) / "checkpoints" / "step_000002"
+    assert sorted(p.name for p in checkpoint.glob("policy_rank*.pt")) == [
+        "policy_rank0.pt",
+        "policy_rank1.pt",
+    ]
+    assert pipeline.after_reload == pipeline.after
+
+
+def test_the_pipeline_takes_the_update_one_rank_takes(
+    pipeline: PipelineRun, one_rank: dict[str, float]
+) -> None:
+    first = pipeline.history[0]
+    assert first["reward/mean"] == one_rank["reward/mean"]  # the same rollouts
+    for key in (
+        "train/policy_loss",
+        "train/grad_norm",
+        "policy/clip_fraction",
+        "policy/entropy",
+        "mismatch_trained/mean_abs_logp_diff",
+        "r3/router_agreement_native",
+        "r3/num_token_layers",
+    ):
+        assert first[key] == pytest.approx(one_rank[key], rel=1e-5, abs=1e-7), key
