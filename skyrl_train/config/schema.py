@@ -133,7 +133,8 @@ class MegatronConfig:
     tensor_model_parallel_size: int = setting(1, ge=1)
     pipeline_model_parallel_size: int = setting(1, ge=1)
     virtual_pipeline_model_parallel_size: int | None = setting(None, ge=1)
-    """Interleaved pipeline chunks; refused with routing replay (replay goes stale)."""
+    """Interleaved pipeline chunks per rank. With routing replay only the sizes tests
+    prove are accepted (``validate.PROVEN_VPP_WITH_REPLAY``: 2 at pipeline size 2)."""
     expert_model_parallel_size: int = setting(1, ge=1)
     expert_tensor_parallel_size: int | None = setting(None, ge=1)
     """None means equal to ``tensor_model_parallel_size`` (Megatron's default)."""

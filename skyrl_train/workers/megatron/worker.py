@@ -80,7 +80,7 @@ class ForwardResult:
     logprobs: torch.Tensor
     """[B, R] fp32 response-token logprobs, 0 where response_mask is 0."""
     routes: torch.Tensor | None = None
-    """[B, S, L_local_moe, K] experts each local router dispatched to (ascending ids), in
+    """[B, S, L_moe, K] experts each router of the model dispatched to (ascending ids), in
     the batch's own layout; only when ``capture_routes=True``. Padding rows are arange(K)."""
     entropy: torch.Tensor | None = None
     """[B, R] fp32 entropy (nats) of the model's full next-token distribution at each
@@ -107,7 +107,7 @@ class TrainStepResult:
     lr: float
     """The learning rate this step used (warmup included)."""
     routes: torch.Tensor | None = None
-    """[B, S, L_local_moe, K] experts each local router dispatched to in the update's
+    """[B, S, L_moe, K] experts each router of the model dispatched to in the update's
     forward (as ``ForwardResult.routes``); only when ``capture_routes=True``."""
 
 
@@ -147,7 +147,7 @@ class MegatronPolicyWorker:
     # ---- setup -----------------------------------------------------------------
 
     def setup(self) -> MegatronPolicyWorker:
-        """Resolve the Megatron config (refusing VPP etc. with replay), initialise
+        """Resolve the Megatron config (refusing what defeats replay), initialise
         parallel state, build the model and the optimizer."""
         apply_cpu_compat()
         config = build_transformer_config(self.architecture, self.megatron_config)

@@ -1,5 +1,6 @@
-"""Activation recompute under replay: the recomputed forward pops the backward FIFO
-(REPLAY_BACKWARD) instead of re-routing, so gradients equal those without recompute."""
+"""Activation recompute under replay: the recomputed forward is given the same routes
+again (keyed replay re-arms the routers when the gradient reaches the model's output)
+instead of re-routing, so gradients equal those without recompute."""
 
 from __future__ import annotations
 
