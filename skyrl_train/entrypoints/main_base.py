@@ -74,7 +74,7 @@ def launch(cfg: PPOConfig) -> Iterator[Job]:
     from skyrl_train.trainer.checkpoint import verify_resume
     from skyrl_train.trainer.loop import GRPOLoop
     from skyrl_train.trainer.policy_group import PolicyGroup
-    from skyrl_train.utils.ray_session import start_ray
+    from skyrl_train.utils.ray_session import require_cpus, start_ray
 
     validate_cfg(cfg)
     # Every dataset row is checked (and its environment built once) now: a bad row
@@ -104,6 +104,20 @@ def launch(cfg: PPOConfig) -> Iterator[Job]:
         policy: Any = None
         try:
             engine = cfg.generator.inference_engine
+            placement = cfg.trainer.placement
+            require_cpus(
+                {
+                    "generator.inference_engine.num_cpus_per_engine": (
+                        engine.num_engines,
+                        engine.num_cpus_per_engine,
+                    ),
+                    "trainer.placement.cpus_per_trainer": (
+                        placement.num_trainers,
+                        placement.cpus_per_trainer,
+                    ),
+                },
+                local=cfg.ray.address is None,
+            )
             spec = EngineSpec(
                 checkpoint=str(checkpoint),
                 dtype=engine.dtype,

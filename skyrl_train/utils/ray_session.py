@@ -99,3 +99,34 @@ def _init_on_loopback(*, num_cpus: int | None, runtime_env: dict[str, Any] | Non
         )
     finally:
         ray_constants.ENABLE_RAY_CLUSTER = saved
+
+
+def require_cpus(requests: Mapping[str, tuple[int, float]], *, local: bool) -> None:
+    """Refuse a launch whose actors cannot all be scheduled at once.
+
+    ``requests`` maps a config key to (actors, CPUs each), e.g.
+    ``{"trainer.placement.cpus_per_trainer": (2, 1.0)}``. Ray queues an actor that does
+    not fit and the others wait for it: trainer ranks block in their rendezvous
+    forever (seen: two ranks of 1 CPU beside a 1-CPU server on a 2-CPU machine hung
+    without a message). A local Ray cannot grow, so a shortfall is an error naming the
+    keys; a cluster may autoscale, so there it is only logged.
+    """
+    import ray
+
+    from skyrl_train.errors import ConfigValidationError
+
+    have = float(ray.cluster_resources().get("CPU", 0.0))
+    want = sum(count * each for count, each in requests.values())
+    if want <= have + 1e-9:
+        return
+    parts = " + ".join(f"{count} x {each:g} ({key})" for key, (count, each) in requests.items())
+    reason = (
+        f"expected the actors' CPUs to fit Ray's {have:g} (ray.num_cpus, or what Ray "
+        f"counted), got {parts} = {want:g}"
+    )
+    if not local:
+        logger.warning("%s; waiting for the cluster to provide them", reason)
+        return
+    raise ConfigValidationError(
+        max(requests, key=lambda k: requests[k][0] * requests[k][1]), reason
+    )

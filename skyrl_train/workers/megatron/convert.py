@@ -121,15 +121,17 @@ def _fused_entries(arch: MoEArchitecture, family: Family) -> dict[str, _Fused]:
     return entries
 
 
-def _ep_layout() -> tuple[int, int, Any]:
+def _group(kind: str) -> tuple[int, int, Any]:
+    """(rank, size, group) in Megatron's ``expert`` or ``pipeline`` model-parallel
+    group; (0, 1, None) before parallel state exists."""
     from megatron.core import parallel_state
 
     if not parallel_state.model_parallel_is_initialized():
         return 0, 1, None
     return (
-        parallel_state.get_expert_model_parallel_rank(),
-        parallel_state.get_expert_model_parallel_world_size(),
-        parallel_state.get_expert_model_parallel_group(),
+        getattr(parallel_state, f"get_{kind}_model_parallel_rank")(),
+        getattr(parallel_state, f"get_{kind}_model_parallel_world_size")(),
+        getattr(parallel_state, f"get_{kind}_model_parallel_group")(),
     )
 
 
@@ -153,7 +155,7 @@ def export_hf_weights(
     would reach the engine as its old value).
     """
     own = _export_own(chunks, arch)
-    if _pipeline_layout()[1] == 1:
+    if _group("pipeline")[1] == 1:
         return own
     return _broadcast_stages(own)
 
@@ -163,7 +165,7 @@ def _export_own(chunks: Sequence[Any], arch: MoEArchitecture) -> Iterator[tuple[
     final norm and output layer on the last stage."""
     family = family_named(arch.family)
     fused = _fused_entries(arch, family)
-    _ep_rank, ep_size, ep_group = _ep_layout()
+    _ep_rank, ep_size, ep_group = _group("expert")
     if chunks[0].pre_process:
         yield (
             "model.embed_tokens.weight",
@@ -205,25 +207,13 @@ def _export_own(chunks: Sequence[Any], arch: MoEArchitecture) -> Iterator[tuple[
             yield "lm_head.weight", last.output_layer.weight.detach().clone()
 
 
-def _pipeline_layout() -> tuple[int, int, Any]:
-    from megatron.core import parallel_state
-
-    if not parallel_state.model_parallel_is_initialized():
-        return 0, 1, None
-    return (
-        parallel_state.get_pipeline_model_parallel_rank(),
-        parallel_state.get_pipeline_model_parallel_world_size(),
-        parallel_state.get_pipeline_model_parallel_group(),
-    )
-
-
 def _broadcast_stages(
     own: Iterator[tuple[str, torch.Tensor]],
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Stage 0's tensors, then stage 1's, ...: the owner broadcasts each tensor's name,
     shape and dtype, then its bytes; a None header ends a stage. An owner whose export
     fails sends the error instead, so the other stages raise it rather than wait."""
-    stage, stages, group = _pipeline_layout()
+    stage, stages, group = _group("pipeline")
     dist = torch.distributed
     for source in range(stages):
         src = dist.get_global_rank(group, source)
@@ -266,7 +256,7 @@ def load_hf_weights(
     what = f"a {family.architectures[0]} weight name of this model"
     fused = _fused_entries(arch, family)
     part_of = {hf: (mg, i) for mg, entry in fused.items() for i, hf in enumerate(entry.parts)}
-    ep_rank, ep_size, _group = _ep_layout()
+    ep_rank, ep_size, _unused = _group("expert")
     local_experts = arch.num_experts // ep_size
     layers = {layer.layer_number - 1: layer for chunk in chunks for layer in chunk.decoder.layers}
     first, last = chunks[0], chunks[-1]

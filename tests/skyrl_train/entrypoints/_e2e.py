@@ -8,6 +8,7 @@ import os
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from inference.client import RemoteGenerateClient
 
@@ -57,6 +58,18 @@ def probe(url: str, api_key: str) -> list[float]:
             return list(result.logprobs)
 
     return asyncio.run(go())
+
+
+def reload_and_probe(job: Any, checkpoint: Path) -> list[float]:
+    """Load ``checkpoint`` on every trainer rank, push the weights again and probe: a
+    rank that restored another rank's shard (experts, stages) changes the answer."""
+
+    async def reload() -> None:
+        await job.loop.load_checkpoint(checkpoint)
+        await job.policy.push_weights(job.server_urls, api_key=job.api_key)
+
+    asyncio.run(reload())
+    return probe(job.server_urls[0], job.api_key)
 
 
 def new_pids(

@@ -5,7 +5,6 @@ same batch, so two ranks must take the same update up to summation order)."""
 
 from __future__ import annotations
 
-import asyncio
 import ipaddress
 import math
 import os
@@ -21,6 +20,7 @@ from _e2e import (
     process_tree,
     ray_actor_pids,
     ray_daemon_pids,
+    reload_and_probe,
     with_overrides,
 )
 
@@ -90,12 +90,7 @@ def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> TwoRankRun:
         # restored another rank's expert shard would change the served weights.
         checkpoint = run_dir / "checkpoints" / "step_000001"
 
-        async def reload() -> None:
-            await job.loop.load_checkpoint(checkpoint)
-            await job.policy.push_weights(job.server_urls, api_key=job.api_key)
-
-        asyncio.run(reload())
-        after_reload = probe(job.server_urls[0], job.api_key)
+        after_reload = reload_and_probe(job, checkpoint)
         ranks, received = list(job.policy.ranks), list(job.policy.received_rows)
         listening = listening_sockets(process_tree(os.getpid()))
         trainer_pids = ray_actor_pids("PolicyTrainer") - actors_before

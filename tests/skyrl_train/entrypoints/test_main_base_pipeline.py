@@ -6,17 +6,17 @@ per-stage checkpoints, and the first step compared with the same step on one ran
 
 from __future__ import annotations
 
-import asyncio
 import math
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from _e2e import SMALL, probe, with_overrides
+from _e2e import SMALL, probe, reload_and_probe, with_overrides
 
 from skyrl_train.config.compose import load_config
 from skyrl_train.config.schema import PPOConfig
 from skyrl_train.entrypoints.main_base import launch
+from skyrl_train.errors import ConfigValidationError
 from skyrl_train.trainer.policy import RankInfo
 
 pytestmark = pytest.mark.slow
@@ -77,12 +77,7 @@ def pipeline(
         # that restored the other's layers would change the served weights.
         checkpoint = run_dir / "checkpoints" / "step_000002"
 
-        async def reload() -> None:
-            await job.loop.load_checkpoint(checkpoint)
-            await job.policy.push_weights(job.server_urls, api_key=job.api_key)
-
-        asyncio.run(reload())
-        after_reload = probe(job.server_urls[0], job.api_key)
+        after_reload = reload_and_probe(job, checkpoint)
         ranks = list(job.policy.ranks)
     return PipelineRun(cfg, history, ranks, before, after, after_reload)
 
@@ -140,3 +135,22 @@ def test_the_pipeline_takes_the_update_one_rank_takes(
         "r3/num_token_layers",
     ):
         assert first[key] == pytest.approx(one_rank[key], rel=1e-5, abs=1e-7), key
+
+
+def test_ranks_that_cannot_all_be_placed_are_refused_not_waited_for(tmp_path: Path) -> None:
+    # Two 1-CPU ranks beside a 1-CPU server on a 2-CPU Ray: the second rank would be
+    # queued and the first would wait in its rendezvous forever.
+    import ray
+
+    cfg = load_config(
+        [
+            *with_overrides(PIPELINE, "trainer.placement.cpus_per_trainer=1"),
+            f"trainer.run_dir={tmp_path / 'run'}",
+        ]
+    )
+    with pytest.raises(ConfigValidationError) as info, launch(cfg):
+        pass
+    assert info.value.path == "trainer.placement.cpus_per_trainer"
+    assert "1 x 1 (generator.inference_engine.num_cpus_per_engine)" in info.value.reason
+    assert "2 x 1 (trainer.placement.cpus_per_trainer) = 3" in info.value.reason
+    assert not ray.is_initialized()
