@@ -99,6 +99,32 @@ def test_concurrent_callers_share_batches_with_unchanged_results() -> None:
         asyncio.run(engine.generate(reqs))
 
 
+@pytest.mark.timeout(120)
+def test_a_full_batch_does_not_wait_out_the_window() -> None:
+    # An hour-long window: only closing early at max_batch_size lets this finish (the
+    # timeout marker turns a wait into a failure rather than a hung suite).
+    engine = HFMoEEngine.from_config(seed=0, max_batch_size=3, batch_window_ms=3_600_000.0)
+    batch_sizes: list[int] = []
+    run = engine._run
+
+    def recording_run(requests):
+        batch_sizes.append(len(requests))
+        return run(requests)
+
+    engine._run = recording_run  # type: ignore[method-assign]
+
+    async def main():
+        first = asyncio.ensure_future(engine.generate([_req(4, 0)]))
+        await asyncio.sleep(0.05)  # the batcher is now inside its window with one request
+        rest = [engine.generate([_req(4 + i, i)]) for i in (1, 2)]
+        outs = await asyncio.gather(first, *rest)
+        await engine.close()
+        return outs
+
+    assert len(asyncio.run(main())) == 3
+    assert batch_sizes == [3]
+
+
 def test_batch_failure_reaches_every_caller() -> None:
     engine = HFMoEEngine.from_config(seed=0, num_threads=None)
 
