@@ -70,16 +70,22 @@ def test_save_and_load_checkpoint_roundtrip(fp32_engine, tmp_path) -> None:
         HFMoEEngine.from_pretrained(tmp_path / "nothing")
 
 
-def test_concurrent_callers_share_batches_with_unchanged_results() -> None:
-    engine = HFMoEEngine.from_config(seed=0, dtype="float32", batch_window_ms=20.0)
-    batch_sizes: list[int] = []
+def _record_batches(engine: HFMoEEngine) -> list[int]:
+    """The size of every forward batch ``engine`` runs from now on."""
+    sizes: list[int] = []
     run = engine._run
 
     def recording_run(requests):
-        batch_sizes.append(len(requests))
+        sizes.append(len(requests))
         return run(requests)
 
     engine._run = recording_run  # type: ignore[method-assign]
+    return sizes
+
+
+def test_concurrent_callers_share_batches_with_unchanged_results() -> None:
+    engine = HFMoEEngine.from_config(seed=0, dtype="float32", batch_window_ms=20.0)
+    batch_sizes = _record_batches(engine)
     reqs = [_req(4 + i, i, return_routed_experts=True) for i in range(6)]
     expected = [engine.generate_sync([r])[0] for r in reqs]
     batch_sizes.clear()
@@ -104,14 +110,7 @@ def test_a_full_batch_does_not_wait_out_the_window() -> None:
     # An hour-long window: only closing early at max_batch_size lets this finish (the
     # timeout marker turns a wait into a failure rather than a hung suite).
     engine = HFMoEEngine.from_config(seed=0, max_batch_size=3, batch_window_ms=3_600_000.0)
-    batch_sizes: list[int] = []
-    run = engine._run
-
-    def recording_run(requests):
-        batch_sizes.append(len(requests))
-        return run(requests)
-
-    engine._run = recording_run  # type: ignore[method-assign]
+    batch_sizes = _record_batches(engine)
 
     async def main():
         first = asyncio.ensure_future(engine.generate([_req(4, 0)]))
