@@ -471,15 +471,12 @@ class PolicyTrainer:
     def load_checkpoint(self, folder: str) -> None:
         """Restore this rank from ``folder``, which the launch verified against its
         manifest (``checkpoint.verify_resume``) before Ray started."""
-        state = load_rank_state(Path(folder), rank=self.info.rank, world_size=self.info.world_size)
-        saved = state.get("layout") or self._layout()  # files from before layouts were saved
-        for name, value in self._layout().items():
-            if saved.get(name) != value:
-                raise ConfigValidationError(
-                    f"trainer.policy.megatron_config.{name}",
-                    f"expected the checkpoint's {saved.get(name)!r} to resume {folder!r} (each "
-                    f"rank's file holds that layout's layers and experts), got {value!r}",
-                )
+        state = load_rank_state(
+            Path(folder),
+            rank=self.info.rank,
+            world_size=self.info.world_size,
+            layout=self._layout(),
+        )
         assert self.worker.optimizer is not None
         self.worker.model.load_state_dict(state["model"])
         self.worker.optimizer.load_state_dict(state["optimizer"])
@@ -492,9 +489,13 @@ def checkpoint_file(folder: Path, rank: int) -> Path:
     return folder / f"policy_rank{rank}.pt"
 
 
-def load_rank_state(folder: Path, *, rank: int, world_size: int) -> dict[str, Any]:
+def load_rank_state(
+    folder: Path, *, rank: int, world_size: int, layout: dict[str, int | None] | None = None
+) -> dict[str, Any]:
     """Rank ``rank``'s saved state; refuses a checkpoint taken at another world size
-    (its expert shards and data order would not line up with this run's ranks)."""
+    (its expert shards and data order would not line up with this run's ranks) or,
+    given this run's ``layout`` (``trainer.policy.megatron_config`` sizes), another
+    pipeline or expert layout (each file holds that layout's layers and experts)."""
     path = checkpoint_file(folder, rank)
     if not path.is_file():
         raise CheckpointError(
@@ -522,4 +523,13 @@ def load_rank_state(folder: Path, *, rank: int, world_size: int) -> dict[str, An
             f"expected the checkpoint's world size {saved} to resume {str(folder)!r}, "
             f"got {world_size}",
         )
+    # Files written before layouts were recorded carry none; world size is their check.
+    saved_layout = state.get("layout") or layout or {}
+    for name, value in (layout or {}).items():
+        if saved_layout.get(name) != value:
+            raise ConfigValidationError(
+                f"trainer.policy.megatron_config.{name}",
+                f"expected the checkpoint's {saved_layout.get(name)!r} to resume "
+                f"{str(folder)!r}, got {value!r}",
+            )
     return state

@@ -202,6 +202,22 @@ def test_load_rank_state_names_the_file_torch_cannot_read(tmp_path: Path) -> Non
     assert info.value.expected == "a rank state torch.load can read"
 
 
+def test_load_rank_state_refuses_another_pipeline_layout(tmp_path: Path) -> None:
+    layout = {
+        "pipeline_model_parallel_size": 2,
+        "virtual_pipeline_model_parallel_size": 2,
+        "expert_model_parallel_size": 1,
+    }
+    state = {"world_size": 2, "layout": layout, "w": torch.zeros(2)}
+    write_file(checkpoint_file(tmp_path, 1), lambda fh: torch.save(state, fh))
+    assert load_rank_state(tmp_path, rank=1, world_size=2, layout=layout)["layout"] == layout
+    other = {**layout, "virtual_pipeline_model_parallel_size": None}
+    with pytest.raises(ConfigValidationError) as info:
+        load_rank_state(tmp_path, rank=1, world_size=2, layout=other)
+    assert info.value.path == "trainer.policy.megatron_config.virtual_pipeline_model_parallel_size"
+    assert "expected the checkpoint's 2" in info.value.reason and "got None" in info.value.reason
+
+
 # ------------------------------------------------------------- temp folders and crashes
 
 
