@@ -116,6 +116,19 @@ def pad_rows(layout: ContiguousBatch, rows: int, *, pad_token_id: int) -> Contig
     )
 
 
+def filler_rows(like: ContiguousBatch, rows: int, *, pad_token_id: int) -> ContiguousBatch:
+    """``rows`` filler rows shaped like ``like``'s (its width, its route shape): a padding
+    microbatch, for a schedule that needs more microbatches than there are."""
+    empty = ContiguousBatch(
+        tokens=like.tokens[:0],
+        shifts=like.shifts[:0],
+        prompt_lens=like.prompt_lens[:0],
+        padding_mask=like.padding_mask[:0],
+        routes=None if like.routes is None else like.routes[:0],
+    )
+    return pad_rows(empty, rows, pad_token_id=pad_token_id)
+
+
 def response_logprobs(
     logits: torch.Tensor, layout: ContiguousBatch, response_mask: torch.Tensor
 ) -> torch.Tensor:

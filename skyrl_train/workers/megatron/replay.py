@@ -281,18 +281,20 @@ def replay_session(routers: LocalRouters, *, record: bool = False) -> Iterator[N
         clear_replay_state()
 
 
-def recorded_routes(routers: LocalRouters, chunk: int, *, batch: int, seq: int) -> torch.Tensor:
-    """RECORD mode's top-k of ``chunk``'s routers after its forward, as
-    ``[B, S, L_chunk, K]`` (router order)."""
-    recorded = [
-        module.router_replay.get_recorded_indices()
-        for module, c in zip(routers.modules, routers.chunks, strict=True)
-        if c == chunk
-    ]
-    if any(r is None for r in recorded):
-        raise RouteReplayError("RouterReplay RECORD: expected a forward to run first, got none")
-    per_layer = [r.reshape(seq, batch, -1).transpose(0, 1) for r in recorded]
-    return torch.stack(per_layer, dim=2)
+def recorded_routes(
+    routers: LocalRouters, chunk: int, *, batch: int, seq: int
+) -> dict[int, torch.Tensor]:
+    """RECORD mode's top-k of ``chunk``'s routers after its forward: local router index
+    -> ``[B, S, K]`` (router order), as ``DispatchCapture.got`` holds a microbatch."""
+    out = {}
+    for i, (module, c) in enumerate(zip(routers.modules, routers.chunks, strict=True)):
+        if c != chunk:
+            continue
+        recorded = module.router_replay.get_recorded_indices()
+        if recorded is None:
+            raise RouteReplayError("RouterReplay RECORD: expected a forward to run first, got none")
+        out[i] = recorded.reshape(seq, batch, -1).transpose(0, 1)
+    return out
 
 
 class DispatchCapture:

@@ -38,6 +38,7 @@ from skyrl_train.workers.megatron.cpu_compat import apply_cpu_compat
 from skyrl_train.workers.megatron.layout import (
     ContiguousBatch,
     batch_to,
+    filler_rows,
     make_contiguous,
     pad_rows,
     response_logprobs,
@@ -378,17 +379,7 @@ class MegatronPolicyWorker:
         if self._pipeline.size > 1:
             inputs = [pad_rows(layout, rows, pad_token_id=self.pad_token_id) for layout in layouts]
             total = self._pipeline.padded_count(count)
-            blank = pad_rows(
-                ContiguousBatch(
-                    tokens=layouts[0].tokens[:0],
-                    shifts=layouts[0].shifts[:0],
-                    prompt_lens=layouts[0].prompt_lens[:0],
-                    padding_mask=layouts[0].padding_mask[:0],
-                    routes=None if layouts[0].routes is None else layouts[0].routes[:0],
-                ),
-                rows,
-                pad_token_id=self.pad_token_id,
-            )
+            blank = filler_rows(layouts[0], rows, pad_token_id=self.pad_token_id)
             inputs = inputs + [blank] * (total - count)
         # Megatron divides each microbatch's loss by the (padded) count; the worker's
         # contract is a mean over the real ones.
@@ -396,7 +387,7 @@ class MegatronPolicyWorker:
         logprobs: list[torch.Tensor | None] = [None] * count
         entropies: list[torch.Tensor | None] = [None] * count
         losses = torch.zeros(count, dtype=torch.float64)
-        recorded: dict[int, dict[int, torch.Tensor]] = {}
+        recorded: dict[int, dict[int, torch.Tensor]] = {}  # as DispatchCapture.got
         driver = None
         if do_replay:  # _check_replay saw routes, so every layout has them
             driver = self.replay_driver(routers, [_routes_of(layout) for layout in inputs])
@@ -435,8 +426,8 @@ class MegatronPolicyWorker:
                 if capturer is not None:
                     capturer.end()
             if record:
-                recorded.setdefault(m, {})[chunk] = replay.recorded_routes(
-                    routers, chunk, batch=batch_rows, seq=seq
+                recorded.setdefault(m, {}).update(
+                    replay.recorded_routes(routers, chunk, batch=batch_rows, seq=seq)
                 )
             if driver is not None and output.requires_grad:
                 output.register_hook(lambda _grad: driver.on_backward(chunk, m))
@@ -464,17 +455,9 @@ class MegatronPolicyWorker:
             if capturer is not None:
                 capturer.close()
         routes = None
-        if capturer is not None:
-            routes = self._gather_routes(micro, layouts, capturer.got)
-        elif record:
-            routes = self._gather_routes(
-                micro,
-                layouts,
-                {
-                    m: dict(enumerate(torch.cat([by[c] for c in sorted(by)], dim=2).unbind(2)))
-                    for m, by in recorded.items()
-                },
-            )
+        if capturer is not None or record:
+            per_router = capturer.got if capturer is not None else recorded
+            routes = self._gather_routes(micro, layouts, per_router)
         if loss_fn is not None:
             return _ScheduleOutput(losses=self._pipeline.from_last_stage(losses), routes=routes)
         shapes = [(mb.batch_size, mb.response_mask.shape[1]) for mb in micro]
