@@ -281,9 +281,26 @@ class TrainerConfig:
     oldest beyond this many are deleted (never the one just written). -1 or None keeps
     all (SkyRL's key and default)."""
     resume_from: str | None = None
-    """A ``step_NNNNNN`` checkpoint folder; verified against its manifest at launch,
-    before Ray starts. Resumed into the run_dir it came from, the run first drops
-    the metrics lines of the steps after the checkpoint's (each step is logged once)."""
+    """A ``step_NNNNNN`` checkpoint folder, or ``latest``: the newest checkpoint under
+    ``<run_dir>/checkpoints`` whose files verify (damaged ones are skipped, each named
+    in a warning; with none, a folder no run wrote to starts fresh, so one command
+    serves a job's first launch and its resubmissions; a folder named latest is
+    ``./latest``). Verified against its manifest, and
+    ``latest`` resolved, once at launch before Ray starts. Resumed into the run_dir it
+    came from, the run first drops the metrics lines of the steps after the
+    checkpoint's (each step is logged once); into another run_dir, that folder must be
+    fresh (``skyrl_train.trainer.run_folder`` has the rules). One key, where SkyRL has
+    ``resume_mode`` and ``resume_path``: a pair can contradict itself (mode ``none``
+    with a path, ``latest`` with a path elsewhere), and a launch would have to guess
+    which one the user meant."""
+    overwrite_later_checkpoints: bool = False
+    """Allow resuming from a checkpoint of ``<run_dir>/checkpoints`` below others in
+    it: each save of the resumed run replaces the old checkpoint of its step, and its
+    pruning deletes the higher ones first. A separate key, not implied by
+    ``resume_from``, because a path to an earlier step is also what a typo or a stale
+    command looks like and the deletion cannot be undone (and the old higher steps,
+    if kept, would be what ``latest`` resumes next): without it such a launch is
+    refused before Ray starts, naming the checkpoints it would lose."""
     run_dir: str = "runs/r3_grpo"
     placement: PlacementConfig = field(default_factory=PlacementConfig)
     policy: PolicyConfig = field(default_factory=PolicyConfig)

@@ -27,6 +27,7 @@ from skyrl_train.config.schema import (
     SamplingParamsConfig,
 )
 from skyrl_train.errors import ConfigValidationError
+from skyrl_train.trainer.run_folder import LATEST, check_run_dir
 from skyrl_train.utils.tracking import check_trackers
 
 # TransformerConfig fields the pipeline sets itself. Setting them in
@@ -248,20 +249,15 @@ def _check_trainer(cfg: PPOConfig) -> None:
     tr = cfg.trainer
     if not tr.run_dir:
         raise ConfigValidationError("trainer.run_dir", "expected a folder path, got ''")
-    if tr.resume_from is not None and not Path(tr.resume_from).is_dir():
+    if tr.resume_from not in (None, LATEST) and not Path(tr.resume_from).is_dir():
         raise ConfigValidationError(
-            "trainer.resume_from", f"expected an existing checkpoint folder, got {tr.resume_from!r}"
+            "trainer.resume_from",
+            f"expected an existing checkpoint folder or {LATEST!r}, got {tr.resume_from!r}",
         )
-    # A second run appending to the first one's metrics.jsonl gives one file with two
-    # step 1s, and the plot and any reader mix them; only a resume may continue a file.
-    metrics = Path(tr.run_dir) / "metrics.jsonl"
-    if tr.resume_from is None and metrics.is_file() and metrics.stat().st_size > 0:
-        raise ConfigValidationError(
-            "trainer.run_dir",
-            f"expected a folder no other run has logged to (continue that run with "
-            f"trainer.resume_from=<its checkpoint>, or pick a new trainer.run_dir), got "
-            f"{tr.run_dir!r}, which holds {metrics}",
-        )
+    # A second run in one folder overwrites the first one's same-step checkpoints,
+    # prunes its others and purges its TensorBoard events; resuming below later
+    # checkpoints deletes them too. Both are refused here (trainer.run_folder).
+    check_run_dir(tr)
 
     alg, a = tr.algorithm, "trainer.algorithm"
     if alg.policy_loss_type == "gspo" and alg.clip_ratio_c is not None:

@@ -71,9 +71,9 @@ def launch(cfg: PPOConfig) -> Iterator[Job]:
     from inference.server.launch import EngineSpec
     from skyrl_train.config.model_source import model_checkpoint
     from skyrl_train.dataset.prompts import load_datasets
-    from skyrl_train.trainer.checkpoint import verify_resume
     from skyrl_train.trainer.loop import GRPOLoop
     from skyrl_train.trainer.policy_group import PolicyGroup
+    from skyrl_train.trainer.run_folder import claim_run_dir, resolve_resume
     from skyrl_train.utils.ray_session import require_cpus, start_ray
 
     validate_cfg(cfg)
@@ -81,11 +81,12 @@ def launch(cfg: PPOConfig) -> Iterator[Job]:
     # fails naming file, row and key before Ray or any model starts.
     datasets = load_datasets(cfg)
     # Hash trainer.resume_from against its manifest now: a damaged checkpoint fails in
-    # seconds naming the file, not after Ray and every actor have started.
-    verify_resume(cfg)
-    run_dir = Path(cfg.trainer.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    # The job log opens only now, after validation: a refused launch leaves no folder.
+    # seconds naming the file, not after Ray and every actor have started. "latest"
+    # is resolved here, once; the Job and everything after it read this cfg.
+    cfg = resolve_resume(cfg)
+    # The folder and its run.json come only now, after every check: a refused launch
+    # leaves nothing, and an accepted one marks the folder before writing anything else.
+    run_dir = claim_run_dir(cfg)
     with job_log(run_dir / "main_base.log"):
         # model.path, or the built-in model written once as a folder: from here on every
         # run loads a checkpoint folder the same way (engines, trainers, tokenizer).

@@ -140,27 +140,17 @@ def prune_checkpoints(root: Path, *, keep: int | None, current_step: int) -> lis
     """Delete the oldest checkpoints beyond ``keep`` (None or -1: keep all); returns
     the deleted folders.
 
-    Only folders named ``step_NNNNNN`` whose manifest and file sizes check out (SHA-256
-    is not re-read) and whose manifest step matches the name count as checkpoints;
-    anything else under ``root`` is never touched. ``current_step``'s, the one just
-    written, is always kept. Oldest means earliest in this run's history: checkpoints
-    with a higher step were left by a run this one resumed from an earlier step (their
-    metrics lines were dropped too), so they go first, then the lowest steps.
+    Only ``list_checkpoints``'s folders count; anything else under ``root`` is never
+    touched. ``current_step``'s, the one just written, is always kept. Oldest means
+    earliest in this run's history: checkpoints with a higher step were left by a run
+    this one resumed from an earlier step (their metrics lines were dropped too), so
+    they go first, then the lowest steps. The launch lets a run resume below them only
+    with ``trainer.overwrite_later_checkpoints`` (``trainer.run_folder``).
     """
     if keep is None or keep < 0:
         return []
     current = root / checkpoint_name(current_step)
-    others = []
-    for path in sorted(root.iterdir()):
-        match = STEP_DIR.fullmatch(path.name)
-        if not match or path == current or path.is_symlink() or not path.is_dir():
-            continue
-        try:
-            found = verify_checkpoint(path, hash_files=False)
-        except CheckpointError:
-            continue  # not provably a checkpoint of this run: the user decides
-        if found.step == int(match.group(1)):
-            others.append(found)
+    others = [c for c in list_checkpoints(root) if c.folder != current]
     earlier = sorted((c for c in others if c.step < current_step), key=lambda c: -c.step)
     kept = {c.folder for c in earlier[: max(keep - 1, 0)]}
     removed = []
@@ -175,6 +165,27 @@ def prune_checkpoints(root: Path, *, keep: int | None, current_step: int) -> lis
     if removed:
         fsync_dir(root)
     return removed
+
+
+def list_checkpoints(root: Path) -> list[Checkpoint]:
+    """The checkpoints under ``root`` that saving and pruning may replace or delete,
+    by step: folders named ``step_NNNNNN`` (no symlinks) whose manifest and file sizes
+    check out (SHA-256 is not re-read) and whose manifest step matches the name.
+    Anything else is not provably a checkpoint of this run: the user decides."""
+    if not root.is_dir():
+        return []
+    found = []
+    for path in sorted(root.iterdir()):
+        match = STEP_DIR.fullmatch(path.name)
+        if not match or path.is_symlink() or not path.is_dir():
+            continue
+        try:
+            checkpoint = verify_checkpoint(path, hash_files=False)
+        except CheckpointError:
+            continue
+        if checkpoint.step == int(match.group(1)):
+            found.append(checkpoint)
+    return sorted(found, key=lambda c: c.step)
 
 
 # ------------------------------------------------------------------------- verifying
@@ -264,12 +275,18 @@ def verify_checkpoint(
 
 
 def verify_resume(cfg: PPOConfig) -> Checkpoint | None:
-    """The launch-time check of ``trainer.resume_from`` (None when not resuming): the
-    whole folder against its manifest, and the world size it was saved at."""
+    """The launch-time check of ``trainer.resume_from`` (None when not resuming), a
+    checkpoint folder (``latest`` is resolved first: ``trainer.run_folder``): the whole
+    folder against its manifest, and the world size it was saved at."""
     if not cfg.trainer.resume_from:
         return None
     found = verify_checkpoint(cfg.trainer.resume_from)
-    num_trainers = cfg.trainer.placement.num_trainers
+    check_world_size(found, num_trainers=cfg.trainer.placement.num_trainers)
+    return found
+
+
+def check_world_size(found: Checkpoint, *, num_trainers: int) -> None:
+    """Refuse resuming ``found`` at another ``trainer.placement.num_trainers``."""
     if found.world_size != num_trainers:
         # Each rank's file holds its own expert shard and optimizer state.
         raise ConfigValidationError(
@@ -277,7 +294,42 @@ def verify_resume(cfg: PPOConfig) -> Checkpoint | None:
             f"expected the world size {found.world_size} that {str(found.folder)!r} was "
             f"saved at ({DRIVER_FILE}), got {num_trainers}",
         )
-    return found
+
+
+def newest_checkpoint(
+    root: Path, *, key: str = RESUME_KEY
+) -> tuple[Checkpoint | None, list[tuple[Path, CheckpointError]]]:
+    """The highest ``step_NNNNNN`` under ``root`` whose files verify in full (SHA-256),
+    and each higher folder that did not, with the ``CheckpointError`` naming its file.
+
+    Temp folders of unfinished saves are not candidates (``TEMP_DIR``); a folder whose
+    manifest names another step than its own name is skipped like a damaged one.
+    """
+    if not root.is_dir():
+        return None, []
+    candidates = []
+    for path in root.iterdir():
+        match = STEP_DIR.fullmatch(path.name)
+        if match and path.is_dir():
+            candidates.append((int(match.group(1)), path))
+    skipped: list[tuple[Path, CheckpointError]] = []
+    for step, path in sorted(candidates, reverse=True):
+        try:
+            found = verify_checkpoint(path, key=key)
+        except CheckpointError as exc:
+            skipped.append((path, exc))
+            continue
+        if found.step != step:
+            mismatch = CheckpointError(
+                key,
+                path / MANIFEST_FILE,
+                expected=f"step {step} as the folder is named",
+                got=f"step {found.step}",
+            )
+            skipped.append((path, mismatch))
+            continue
+        return found, skipped
+    return None, skipped
 
 
 # --------------------------------------------------------------------------- helpers

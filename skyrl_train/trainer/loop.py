@@ -53,6 +53,7 @@ from skyrl_train.trainer.checkpoint import (
     prune_checkpoints,
     verify_checkpoint,
 )
+from skyrl_train.trainer.run_folder import CHECKPOINTS_DIR
 from skyrl_train.utils.durable import write_file
 from skyrl_train.utils.tracking import MetricsTracker, format_metrics_line
 
@@ -349,7 +350,7 @@ class GRPOLoop:
     async def save_checkpoint(self, step: int) -> Path:
         """Write ``checkpoints/step_NNNNNN`` whole or not at all, then delete the oldest
         beyond ``trainer.max_ckpts_to_keep``; returns the committed folder."""
-        root = self.run_dir / "checkpoints"
+        root = self.run_dir / CHECKPOINTS_DIR
         folder = begin_save(root, step=step)
         try:
             await self.policy.save_checkpoint(str(folder))

@@ -1,10 +1,12 @@
 """Checkpoints end to end: a damaged ``trainer.resume_from`` fails before Ray starts,
-and a run resumed into its own run_dir logs every step once and keeps
-``trainer.max_ckpts_to_keep`` verified checkpoints."""
+a resume below a later checkpoint needs ``trainer.overwrite_later_checkpoints``, and a
+run resumed into its own run_dir (``trainer.resume_from=latest``) logs every step once
+and keeps ``trainer.max_ckpts_to_keep`` verified checkpoints."""
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -16,7 +18,7 @@ from _e2e import SMALL, new_pids, ray_daemon_pids, with_overrides
 
 from skyrl_train.config.compose import load_config
 from skyrl_train.entrypoints.main_base import launch, run
-from skyrl_train.errors import CheckpointError
+from skyrl_train.errors import CheckpointError, ConfigValidationError
 from skyrl_train.trainer.checkpoint import (
     DRIVER_FILE,
     begin_save,
@@ -93,7 +95,9 @@ def test_a_corrupt_resume_checkpoint_never_reaches_ray_init(
 
 
 @pytest.mark.slow
-def test_resume_into_the_same_run_dir_logs_each_step_once(tmp_path: Path) -> None:
+def test_resume_into_the_same_run_dir_logs_each_step_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     run_dir = tmp_path / "run"
     args = with_overrides(
         SMALL,
@@ -109,9 +113,22 @@ def test_resume_into_the_same_run_dir_logs_each_step_once(tmp_path: Path) -> Non
     first_rows = read_metrics(run_dir / "metrics.jsonl")
     assert [row["step"] for row in first_rows] == [1, 2, 3]
 
-    # As after a crash past step 3's metrics line: resume from step 2 into the same folder.
-    resumed = run(load_config([*args, f"trainer.resume_from={root / 'step_000002'}"]))
-    assert len(resumed) == 1
+    # Resuming from step 2 would re-take step 3 over the saved one: refused before Ray
+    # unless the launch says so (trainer.overwrite_later_checkpoints).
+    step3_bytes = (root / "step_000003" / "policy_rank0.pt").read_bytes()
+    below = load_config([*args, f"trainer.resume_from={root / 'step_000002'}"])
+    with pytest.raises(ConfigValidationError) as info, launch(below):
+        pytest.fail("launch must not yield below a later checkpoint without the key")
+    assert info.value.path == "trainer.overwrite_later_checkpoints"
+    assert (root / "step_000003" / "policy_rank0.pt").read_bytes() == step3_bytes
+
+    # As after a crash that cut step 3's save short of a valid manifest: latest skips
+    # it, naming it, and resumes from step 2 into the same folder.
+    (root / "step_000003" / "manifest.json").write_text("{")
+    with caplog.at_level(logging.WARNING, logger="skyrl_train.trainer.run_folder"):
+        resumed = run(load_config([*args, "trainer.resume_from=latest"]))
+    assert f"skipping {root / 'step_000003'}: " in caplog.text
+    assert len(resumed) == 1  # started after step 2: the resolved folder was loaded
     rows = read_metrics(run_dir / "metrics.jsonl")
     assert [row["step"] for row in rows] == [1, 2, 3]
     assert rows[:2] == first_rows[:2]
@@ -120,6 +137,8 @@ def test_resume_into_the_same_run_dir_logs_each_step_once(tmp_path: Path) -> Non
             continue
         # Same tolerance as test_main_base's resume: request batching moves fp32 ~1e-6.
         assert value == pytest.approx(first[2][key], rel=1e-5, abs=1e-5), key
-    # Step 3 was re-saved whole over the old one; nothing else appeared.
-    assert sorted(p.name for p in root.iterdir()) == ["step_000002", "step_000003"]
-    assert [verify_checkpoint(p).step for p in sorted(root.iterdir())] == [2, 3]
+    # Step 3 was re-saved whole; the damaged one was renamed aside, not deleted.
+    names = sorted(p.name for p in root.iterdir())
+    assert names[:2] == ["step_000002", "step_000003"] and len(names) == 3
+    assert names[2].startswith("step_000003.replaced-")
+    assert [verify_checkpoint(root / n).step for n in names[:2]] == [2, 3]

@@ -1,8 +1,12 @@
 """Run folders from the command line (issue 14): a ``-m`` sweep gives each job its own
-folder and job log, and a launch the config check refuses creates nothing."""
+folder and job log, and a launch the config check refuses creates nothing. A folder
+belongs to one run whatever its trackers wrote (issue 25): a second fresh launch is
+refused before Ray starts and leaves the first run's files byte for byte."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import subprocess
 import sys
@@ -10,6 +14,12 @@ from pathlib import Path
 
 import pytest
 
+from skyrl_train.config.compose import load_config
+from skyrl_train.entrypoints.main_base import launch
+from skyrl_train.errors import ConfigValidationError
+from skyrl_train.trainer.checkpoint import DRIVER_FILE, begin_save, commit_save
+from skyrl_train.trainer.run_folder import run_artefacts
+from skyrl_train.utils.durable import write_file
 from skyrl_train.utils.tracking import read_metrics
 
 REPO = Path(__file__).resolve().parents[3]
@@ -36,6 +46,59 @@ def _launch(*args: str, cwd: Path, timeout: int) -> subprocess.CompletedProcess[
         text=True,
         timeout=timeout,
     )
+
+
+def _snapshot(folder: Path) -> dict[str, str]:
+    """Every entry under ``folder``: a file's SHA-256, or "dir"."""
+    return {
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+        if p.is_file()
+        else "dir"
+        for p in sorted(folder.rglob("*"))
+    }
+
+
+def _no_ray(monkeypatch: pytest.MonkeyPatch) -> None:
+    import ray
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("ray.init was called for a launch the run folder refuses")
+
+    monkeypatch.setattr(ray, "init", refuse)
+
+
+def test_a_launch_refused_for_its_run_dir_changes_nothing_and_starts_no_ray(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _no_ray(monkeypatch)
+    run_dir = tmp_path / "run"
+    (run_dir / "tensorboard").mkdir(parents=True)
+    (run_dir / "tensorboard" / "events.out.tfevents.1").write_bytes(b"first run")
+    folder = begin_save(run_dir / "checkpoints", step=10)
+    write_file(folder / "policy_rank0.pt", b"first run's weights")
+    write_file(folder / DRIVER_FILE, json.dumps({"step": 10, "world_size": 1}).encode())
+    commit_save(folder, step=10)
+    before = _snapshot(run_dir)
+    with (
+        pytest.raises(ConfigValidationError) as info,
+        launch(load_config([f"trainer.run_dir={run_dir}"])),
+    ):
+        pytest.fail("launch must not yield into another run's folder")
+    assert info.value.path == "trainer.run_dir"
+    assert "checkpoints/step_000010 (" in info.value.reason
+    assert "tensorboard (" in info.value.reason
+    assert _snapshot(run_dir) == before  # no run.json, no main_base.log
+
+    # latest, in a folder a run wrote without saving a checkpoint: refused too.
+    started = tmp_path / "started"
+    started.mkdir()
+    (started / "main_base.log").write_text("preempted\n")
+    cfg = load_config([f"trainer.run_dir={started}", "trainer.resume_from=latest"])
+    with pytest.raises(ConfigValidationError) as info, launch(cfg):
+        pytest.fail("launch must not yield with nothing to resume in a used folder")
+    assert info.value.path == "trainer.resume_from"
+    assert [p.name for p in started.iterdir()] == ["main_base.log"]
+    assert (started / "main_base.log").read_text() == "preempted\n"
 
 
 def test_a_refused_launch_creates_no_folder_and_no_log(tmp_path: Path) -> None:
@@ -68,3 +131,33 @@ def test_a_two_job_sweep_writes_two_run_folders(tmp_path: Path) -> None:
             in (sweep / job / "main_base.log").read_text()
         )
     assert not (sweep / "metrics.jsonl").exists()
+
+
+@pytest.mark.slow
+def test_a_second_fresh_launch_into_a_tensorboard_run_is_refused_before_ray(
+    tmp_path: Path,
+) -> None:
+    # No metrics.jsonl with this tracker: the refusal must key on the run's other files.
+    run_dir = tmp_path / "run"
+    args = [
+        *TINY_RUN,
+        "trainer.ckpt_interval=1",
+        "logging.trackers=[tensorboard]",
+        f"trainer.run_dir={run_dir}",
+    ]
+    first = _launch(*args, cwd=tmp_path, timeout=500)
+    assert first.returncode == 0, first.stderr[-4000:]
+    assert (run_dir / "checkpoints" / "step_000001").is_dir()
+    assert any((run_dir / "tensorboard").iterdir())
+    assert not (run_dir / "metrics.jsonl").exists()
+    # Every entry the run left is one the guard knows (trainer.run_folder.RUN_ARTEFACTS).
+    known = {path.relative_to(run_dir).parts[0] for path, _ in run_artefacts(run_dir)}
+    assert known == {p.name for p in run_dir.iterdir()}
+    before = _snapshot(run_dir)
+
+    second = _launch(*args, cwd=tmp_path, timeout=300)
+    assert second.returncode != 0
+    assert "trainer.run_dir: expected a folder no other run has written to" in second.stderr
+    assert "checkpoints/step_000001 (" in second.stderr and "tensorboard (" in second.stderr
+    assert "Started a local Ray instance" not in second.stdout + second.stderr
+    assert _snapshot(run_dir) == before

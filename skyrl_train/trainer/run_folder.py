@@ -1,0 +1,212 @@
+"""What a run leaves in ``trainer.run_dir``, and which launches may write there.
+
+A run folder belongs to one run: the launch that found it free, then the launches that
+continue that run from its checkpoints. The rules, checked before Ray starts
+(``check_run_dir`` from ``validate_cfg``, ``resolve_resume`` from the launch):
+
+- A fresh launch (``trainer.resume_from`` null) needs a folder holding none of
+  ``RUN_ARTEFACTS``. Other entries are not a run's: a ``-m`` sweep's job folders
+  (``<run_dir>/N``, each validated on its own) and its ``multirun.yaml`` never make a
+  job refuse itself.
+- Resuming from ``<run_dir>/checkpoints/step_N`` continues that run. Its saves re-take
+  the steps after N and its pruning deletes higher steps first, so a folder holding
+  checkpoints above step N is refused unless ``trainer.overwrite_later_checkpoints``.
+- Resuming from another folder's checkpoint branches a new run: ``run_dir`` must hold
+  no run artefacts, or be the folder an earlier launch of this same branch claimed
+  (its ``run.json`` names the same checkpoint: a resubmitted job); the rule above then
+  applies to the checkpoints that launch saved.
+- ``trainer.resume_from=latest`` resolves once, at launch, to the newest checkpoint
+  under ``<run_dir>/checkpoints`` that verifies in full, naming each damaged one above
+  it in a warning. With none, a folder without run artefacts starts fresh (a job
+  resubmitted before it ever ran) and any other is refused.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from skyrl_train.errors import ConfigValidationError
+from skyrl_train.trainer.checkpoint import (
+    RESUME_KEY,
+    check_world_size,
+    list_checkpoints,
+    newest_checkpoint,
+    verify_checkpoint,
+    verify_resume,
+)
+from skyrl_train.utils.durable import fsync_dir, write_file
+
+if TYPE_CHECKING:
+    from skyrl_train.config.schema import PPOConfig, TrainerConfig
+
+logger = logging.getLogger(__name__)
+
+LATEST = "latest"
+"""``trainer.resume_from=latest``: the newest checkpoint of ``run_dir`` that verifies."""
+CHECKPOINTS_DIR = "checkpoints"
+MARKER_FILE = "run.json"
+MARKER_FORMAT = "skyrl-r3-run"
+
+RUN_ARTEFACTS: tuple[tuple[str, str], ...] = (
+    (MARKER_FILE, "the marker a launch writes first"),
+    (f"{CHECKPOINTS_DIR}/step_*", "a checkpoint or an unfinished save"),
+    ("metrics.jsonl*", "the jsonl tracker's metrics"),
+    ("metrics.png", "the end-of-run plot"),
+    ("main_base.log", "the job log"),
+    ("tensorboard", "the tensorboard tracker's events"),
+    ("wandb", "the wandb tracker's files"),
+)
+"""Glob patterns, under ``run_dir``, of everything a run writes there, and what each
+is. The mlflow tracker writes nothing there (its store is MLflow's own setting)."""
+
+_LISTED = 4
+"""Artefacts a refusal names one by one; more are counted."""
+
+
+def run_artefacts(run_dir: str | Path) -> list[tuple[Path, str]]:
+    """The ``RUN_ARTEFACTS`` that ``run_dir`` holds: ``(path, what it is)``."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        return []
+    return [
+        (path, what) for pattern, what in RUN_ARTEFACTS for path in sorted(run_dir.glob(pattern))
+    ]
+
+
+def check_run_dir(trainer: TrainerConfig) -> None:
+    """Refuse a launch that would write into another run's folder, or resume below
+    checkpoints it would delete without ``trainer.overwrite_later_checkpoints``.
+    ``latest`` is checked when the launch resolves it (``resolve_resume``)."""
+    run_dir, resume = Path(trainer.run_dir), trainer.resume_from
+    if resume == LATEST:
+        return
+    found = run_artefacts(run_dir)
+    if resume is None:
+        if found:
+            raise ConfigValidationError(
+                "trainer.run_dir",
+                f"expected a folder no other run has written to (pick a new "
+                f"trainer.run_dir, or continue that run with trainer.resume_from=latest or "
+                f"one of its checkpoints), got {str(run_dir)!r}, which holds "
+                f"{_describe(run_dir, found)}",
+            )
+        return
+    checkpoint = Path(resume).resolve()
+    own = checkpoint.parent == (run_dir / CHECKPOINTS_DIR).resolve()
+    if not own:
+        if not found:
+            return
+        if started_from(run_dir) != checkpoint:
+            raise ConfigValidationError(
+                "trainer.run_dir",
+                f"expected a fresh folder for a run branched from {str(checkpoint)!r} "
+                f"(pick a new trainer.run_dir, or continue the run that folder holds with "
+                f"trainer.resume_from=latest), got {str(run_dir)!r}, which holds "
+                f"{_describe(run_dir, found)}",
+            )
+    _check_later_checkpoints(trainer, checkpoint, suggest_latest=True)
+
+
+def resolve_resume(cfg: PPOConfig) -> PPOConfig:
+    """``cfg`` with ``trainer.resume_from`` hashed against its manifest and ``latest``
+    resolved to a folder (or None: a fresh start). The launch calls this once, before
+    Ray starts, and everything after reads the returned config."""
+    tr = cfg.trainer
+    if tr.resume_from != LATEST:
+        verify_resume(cfg)
+        return cfg
+    run_dir = Path(tr.run_dir)
+    root = run_dir / CHECKPOINTS_DIR
+    found, skipped = newest_checkpoint(root)
+    for folder, exc in skipped:
+        logger.warning("trainer.resume_from=latest: skipping %s: %s", folder, exc)
+    if found is None:
+        artefacts = run_artefacts(run_dir)
+        if artefacts:
+            why = "; ".join(f"{folder.name}: {exc}" for folder, exc in skipped)
+            raise ConfigValidationError(
+                RESUME_KEY,
+                f"expected a checkpoint under {str(root)!r} whose files verify, got "
+                f"{'none that does (' + why + ')' if skipped else 'none'}, in a folder "
+                f"another launch wrote ({_describe(run_dir, artefacts)}); pick a new "
+                f"trainer.run_dir or a trainer.resume_from checkpoint",
+            )
+        logger.info("trainer.resume_from=latest: no checkpoint under %s, starting fresh", root)
+        resolved = None
+    else:
+        check_world_size(found, num_trainers=tr.placement.num_trainers)
+        logger.info("trainer.resume_from=latest: resuming from %s", found.folder)
+        resolved = str(found.folder)
+    cfg = dataclasses.replace(cfg, trainer=dataclasses.replace(tr, resume_from=resolved))
+    if found is not None:
+        # Only damaged ones can sit above the newest good checkpoint; the sizes of
+        # some still check out, and pruning would delete those (list_checkpoints).
+        _check_later_checkpoints(cfg.trainer, found.folder, suggest_latest=False)
+    return cfg
+
+
+def claim_run_dir(cfg: PPOConfig) -> Path:
+    """Create ``run_dir`` and, at its first launch, its ``run.json``; returns the folder.
+
+    Called once every check has passed (a refused launch creates nothing) and before
+    anything else is written, so that a run killed before it logged or saved a step
+    still leaves an artefact the next fresh launch into the folder is refused on. The
+    marker records the other folder's checkpoint this run branched from, if any
+    (``started_from``).
+    """
+    run_dir = Path(cfg.trainer.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    marker = run_dir / MARKER_FILE
+    if not marker.exists():
+        resume = cfg.trainer.resume_from
+        checkpoint = Path(resume).resolve() if resume else None
+        branched = checkpoint is not None and (
+            checkpoint.parent != (run_dir / CHECKPOINTS_DIR).resolve()
+        )
+        record = {"format": MARKER_FORMAT, "started_from": str(checkpoint) if branched else None}
+        # "x" mode: of two launches racing into one free folder, the second fails here.
+        write_file(marker, json.dumps(record, indent=1).encode() + b"\n")
+        fsync_dir(run_dir)
+    return run_dir
+
+
+def started_from(run_dir: str | Path) -> Path | None:
+    """The other folder's checkpoint ``run_dir``'s run branched from (its ``run.json``);
+    None when it started fresh, has no readable marker, or its marker is not ours."""
+    try:
+        record = json.loads((Path(run_dir) / MARKER_FILE).read_bytes())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(record, dict) or record.get("format") != MARKER_FORMAT:
+        return None
+    value = record.get("started_from")
+    return Path(value) if isinstance(value, str) else None
+
+
+def _check_later_checkpoints(
+    trainer: TrainerConfig, checkpoint: Path, *, suggest_latest: bool
+) -> None:
+    root = Path(trainer.run_dir) / CHECKPOINTS_DIR
+    step = verify_checkpoint(checkpoint, hash_files=False).step
+    later = [c.folder.name for c in list_checkpoints(root) if c.step > step]
+    if later and not trainer.overwrite_later_checkpoints:
+        hint = (
+            "; or resume from the newest with trainer.resume_from=latest" if suggest_latest else ""
+        )
+        raise ConfigValidationError(
+            "trainer.overwrite_later_checkpoints",
+            f"expected true to resume from step {step} ({str(checkpoint)!r}) into "
+            f"{str(root)!r}, which holds later checkpoints ({', '.join(later)}) that this "
+            f"run's saves would replace and its pruning delete{hint}, got false",
+        )
+
+
+def _describe(run_dir: Path, found: list[tuple[Path, str]]) -> str:
+    named = [f"{path.relative_to(run_dir)} ({what})" for path, what in found[:_LISTED]]
+    if len(found) > _LISTED:
+        named.append(f"and {len(found) - _LISTED} more")
+    return ", ".join(named)

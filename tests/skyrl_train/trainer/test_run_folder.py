@@ -1,0 +1,282 @@
+"""Run folders (issue 25): a folder belongs to one run whatever its trackers wrote,
+resuming below later checkpoints needs ``trainer.overwrite_later_checkpoints``, and
+``trainer.resume_from=latest`` picks the newest checkpoint that verifies."""
+
+from __future__ import annotations
+
+import fnmatch
+import hashlib
+import json
+import logging
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from skyrl_train.config.compose import load_config
+from skyrl_train.config.validate import validate_cfg
+from skyrl_train.errors import ConfigValidationError
+from skyrl_train.trainer.checkpoint import DRIVER_FILE, MANIFEST_FILE, begin_save, commit_save
+from skyrl_train.trainer.run_folder import (
+    MARKER_FILE,
+    RUN_ARTEFACTS,
+    claim_run_dir,
+    resolve_resume,
+    run_artefacts,
+    started_from,
+)
+from skyrl_train.utils.durable import write_file
+
+
+def _save(root: Path, step: int, *, world_size: int = 1) -> Path:
+    """A committed checkpoint, written by the helpers the training loop uses."""
+    folder = begin_save(root, step=step)
+    for rank in range(world_size):
+        write_file(folder / f"policy_rank{rank}.pt", f"weights of step {step}".encode() * 64)
+    write_file(folder / DRIVER_FILE, json.dumps({"step": step, "world_size": world_size}).encode())
+    return commit_save(folder, step=step)
+
+
+def _snapshot(folder: Path) -> dict[str, str]:
+    """Every entry under ``folder``: a file's SHA-256, or "dir"."""
+    return {
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+        if p.is_file()
+        else "dir"
+        for p in sorted(folder.rglob("*"))
+    }
+
+
+def _cfg(run_dir: Path, *overrides: str):  # type: ignore[no-untyped-def]
+    return load_config([f"trainer.run_dir={run_dir}", *overrides])
+
+
+def _refused(run_dir: Path, *overrides: str) -> ConfigValidationError:
+    with pytest.raises(ConfigValidationError) as info:
+        validate_cfg(_cfg(run_dir, *overrides))
+    assert str(info.value).startswith(info.value.path + ": ")
+    return info.value
+
+
+def _mkdir_with_file(path: Path, name: str) -> None:
+    path.mkdir(parents=True)
+    (path / name).write_bytes(b"events")
+
+
+# One maker per kind of artefact a run leaves: (its name in the refusal, how to make it).
+ARTEFACTS: dict[str, Callable[[Path], object]] = {
+    MARKER_FILE: lambda d: (d / MARKER_FILE).write_text('{"format": "skyrl-r3-run"}\n'),
+    "checkpoints/step_000001": lambda d: _save(d / "checkpoints", 1),
+    "checkpoints/step_000002.tmp-1a2b3c4d": lambda d: (
+        d / "checkpoints" / "step_000002.tmp-1a2b3c4d"
+    ).mkdir(parents=True),
+    "metrics.jsonl": lambda d: (d / "metrics.jsonl").write_bytes(b""),
+    "metrics.png": lambda d: (d / "metrics.png").write_bytes(b"\x89PNG"),
+    "main_base.log": lambda d: (d / "main_base.log").write_text("launch\n"),
+    "tensorboard": lambda d: _mkdir_with_file(d / "tensorboard", "events.out.tfevents.1"),
+    "wandb": lambda d: _mkdir_with_file(d / "wandb", "debug.log"),
+}
+
+
+def test_every_kind_of_run_artefact_has_a_case_here() -> None:
+    patterns = [pattern for pattern, _ in RUN_ARTEFACTS]
+    covered = {p for name in ARTEFACTS for p in patterns if fnmatch.fnmatch(name, p)}
+    assert covered == set(patterns)
+
+
+@pytest.mark.parametrize("name", sorted(ARTEFACTS))
+def test_any_one_run_artefact_refuses_a_fresh_launch_and_is_named(
+    tmp_path: Path, name: str
+) -> None:
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    validate_cfg(_cfg(run_dir))  # empty: a fresh launch may use it
+    ARTEFACTS[name](run_dir)
+    before = _snapshot(run_dir)
+    err = _refused(run_dir)
+    assert err.path == "trainer.run_dir"
+    assert f"holds {name} (" in err.reason
+    assert "new trainer.run_dir" in err.reason and "trainer.resume_from=latest" in err.reason
+    assert _snapshot(run_dir) == before
+
+
+def test_a_refusal_names_a_few_artefacts_and_counts_the_rest(tmp_path: Path) -> None:
+    for step in range(1, 7):
+        _save(tmp_path / "checkpoints", step)
+    err = _refused(tmp_path)
+    assert "checkpoints/step_000004 (" in err.reason and "and 2 more" in err.reason
+    assert "step_000005" not in err.reason
+
+
+def test_a_sweep_job_folder_is_fresh_beside_its_finished_siblings(tmp_path: Path) -> None:
+    # Hydra made <sweep>/1 before validation; job 0 ran; multirun.yaml is Hydra's.
+    sweep = tmp_path / "sweep"
+    (sweep / "0").mkdir(parents=True)
+    for make in ARTEFACTS.values():
+        make(sweep / "0")
+    (sweep / "multirun.yaml").write_text("hydra: {}\n")
+    (sweep / "1").mkdir()
+    (sweep / "notes.txt").write_text("not a run's\n")
+    validate_cfg(_cfg(sweep / "1"))
+    assert run_artefacts(sweep) == []
+    assert _refused(sweep / "0").path == "trainer.run_dir"
+
+
+# ------------------------------------------------------------- resuming below later ones
+
+
+def test_resume_below_a_later_checkpoint_needs_the_explicit_key(tmp_path: Path) -> None:
+    root = tmp_path / "checkpoints"
+    step2, step4 = _save(root, 2), _save(root, 4)
+    before = _snapshot(tmp_path)
+    err = _refused(tmp_path, f"trainer.resume_from={step2}")
+    assert err.path == "trainer.overwrite_later_checkpoints"
+    assert "step_000004" in err.reason and "from step 2" in err.reason
+    assert err.reason.endswith("got false")
+    assert _snapshot(tmp_path) == before  # step 4 intact
+    validate_cfg(
+        _cfg(tmp_path, f"trainer.resume_from={step2}", "trainer.overwrite_later_checkpoints=true")
+    )
+    validate_cfg(_cfg(tmp_path, f"trainer.resume_from={step4}"))  # the newest: nothing later
+    # A damaged later folder (no manifest) is not provably a checkpoint: pruning keeps
+    # it (commit_save renames it aside), so it does not need the key.
+    (tmp_path / "checkpoints" / "step_000004" / MANIFEST_FILE).unlink()
+    validate_cfg(_cfg(tmp_path, f"trainer.resume_from={step2}"))
+
+
+# ------------------------------------------------------------------------------ latest
+
+
+def test_latest_picks_the_newest_checkpoint_that_verifies_naming_each_skipped(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    root = tmp_path / "checkpoints"
+    _save(root, 2)
+    step4 = _save(root, 4)
+    broken = _save(root, 6)
+    (broken / MANIFEST_FILE).write_text("{")
+    (root / "step_000008.tmp-0badc0de").mkdir()  # an unfinished save is never a candidate
+    before = _snapshot(tmp_path)
+    cfg = _cfg(tmp_path, "trainer.resume_from=latest")
+    validate_cfg(cfg)
+    with caplog.at_level(logging.WARNING, logger="skyrl_train.trainer.run_folder"):
+        resolved = resolve_resume(cfg)
+    assert resolved.trainer.resume_from == str(step4)
+    assert cfg.trainer.resume_from == "latest"  # the caller's config is not changed
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert f"skipping {broken}: " in warning and "invalid JSON" in warning
+    assert _snapshot(tmp_path) == before
+    validate_cfg(resolved)  # the resolved config passes the same checks
+
+
+def test_latest_is_refused_below_a_damaged_later_checkpoint_pruning_would_delete(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Same sizes, other bytes: the full hash skips it, but pruning's size check does
+    # not, so resuming below it would delete it.
+    root = tmp_path / "checkpoints"
+    step2, step4 = _save(root, 2), _save(root, 4)
+    rank_file = step4 / "policy_rank0.pt"
+    rank_file.write_bytes(rank_file.read_bytes().replace(b"step 4", b"step 5"))
+    with pytest.raises(ConfigValidationError) as info:
+        resolve_resume(_cfg(tmp_path, "trainer.resume_from=latest"))
+    assert info.value.path == "trainer.overwrite_later_checkpoints"
+    assert "step_000004" in info.value.reason and "from step 2" in info.value.reason
+    assert "expected sha256" in caplog.text
+    resolved = resolve_resume(
+        _cfg(tmp_path, "trainer.resume_from=latest", "trainer.overwrite_later_checkpoints=true")
+    )
+    assert resolved.trainer.resume_from == str(step2)
+
+
+def test_latest_without_any_checkpoint_starts_fresh_only_where_no_run_wrote(
+    tmp_path: Path,
+) -> None:
+    for run_dir in (tmp_path / "never_made", tmp_path / "empty"):
+        (tmp_path / "empty").mkdir(exist_ok=True)
+        resolved = resolve_resume(_cfg(run_dir, "trainer.resume_from=latest"))
+        assert resolved.trainer.resume_from is None
+        validate_cfg(resolved)
+    started = tmp_path / "started"
+    started.mkdir()
+    (started / "main_base.log").write_text("preempted before the first save\n")
+    with pytest.raises(ConfigValidationError) as info:
+        resolve_resume(_cfg(started, "trainer.resume_from=latest"))
+    assert info.value.path == "trainer.resume_from"
+    assert "got none," in info.value.reason and "main_base.log (the job log)" in info.value.reason
+    assert (started / "main_base.log").read_text() == "preempted before the first save\n"
+
+
+def test_latest_with_only_damaged_checkpoints_names_each_and_why(tmp_path: Path) -> None:
+    root = tmp_path / "checkpoints"
+    (_save(root, 2) / DRIVER_FILE).write_bytes(b"")
+    (_save(root, 3) / "policy_rank0.pt").write_bytes(b"truncated")
+    before = _snapshot(tmp_path)
+    with pytest.raises(ConfigValidationError) as info:
+        resolve_resume(_cfg(tmp_path, "trainer.resume_from=latest"))
+    reason = info.value.reason
+    assert info.value.path == "trainer.resume_from"
+    assert "step_000003: " in reason and "policy_rank0.pt: expected" in reason
+    assert "step_000002: " in reason and "driver.json: expected" in reason
+    assert _snapshot(tmp_path) == before
+
+
+def test_latest_checks_the_world_size_it_resolved(tmp_path: Path) -> None:
+    _save(tmp_path / "checkpoints", 1, world_size=2)
+    with pytest.raises(ConfigValidationError) as info:
+        resolve_resume(_cfg(tmp_path, "trainer.resume_from=latest"))
+    assert info.value.path == "trainer.placement.num_trainers"
+
+
+# ---------------------------------------------------------------- branches and markers
+
+
+def test_a_branch_needs_a_fresh_folder_or_the_one_it_claimed(tmp_path: Path) -> None:
+    origin = tmp_path / "a" / "checkpoints"
+    step2, step4 = _save(origin, 2), _save(origin, 4)
+    branch = tmp_path / "b"
+    cfg = _cfg(branch, f"trainer.resume_from={step2}")
+    validate_cfg(cfg)  # a fresh folder (not even made yet)
+    claim_run_dir(resolve_resume(cfg))
+    assert started_from(branch) == step2.resolve()
+    validate_cfg(cfg)  # the same command resubmitted: its own folder
+    (branch / "main_base.log").write_text("branch\n")
+    validate_cfg(cfg)
+
+    # Another checkpoint, a fresh launch, or a folder another run wrote: refused.
+    err = _refused(branch, f"trainer.resume_from={step4}")
+    assert err.path == "trainer.run_dir" and "run.json (" in err.reason
+    assert _refused(branch).path == "trainer.run_dir"
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "metrics.jsonl").write_text('{"step": 1}\n')
+    err = _refused(other, f"trainer.resume_from={step2}")
+    assert err.path == "trainer.run_dir" and "metrics.jsonl (" in err.reason
+
+    # Once the branch saved step 3, resubmitting from step 2 would re-take it.
+    branch_step3 = _save(branch / "checkpoints", 3)
+    err = _refused(branch, f"trainer.resume_from={step2}")
+    assert err.path == "trainer.overwrite_later_checkpoints" and "step_000003" in err.reason
+    resumed = resolve_resume(_cfg(branch, "trainer.resume_from=latest"))
+    assert resumed.trainer.resume_from == str(branch_step3)
+
+
+def test_claim_writes_the_marker_once_and_then_a_fresh_launch_is_refused(
+    tmp_path: Path,
+) -> None:
+    run_dir = tmp_path / "run"
+    cfg = _cfg(run_dir)
+    assert claim_run_dir(cfg) == run_dir
+    marker = (run_dir / MARKER_FILE).read_bytes()
+    assert json.loads(marker) == {"format": "skyrl-r3-run", "started_from": None}
+    assert started_from(run_dir) is None
+    claim_run_dir(cfg)  # a later launch of the same run leaves it as it was
+    assert (run_dir / MARKER_FILE).read_bytes() == marker
+    err = _refused(run_dir)
+    assert f"holds {MARKER_FILE} (" in err.reason
+    # Resuming from the folder's own checkpoint continues it; the marker stays.
+    step1 = _save(run_dir / "checkpoints", 1)
+    resumed = _cfg(run_dir, f"trainer.resume_from={step1}")
+    validate_cfg(resumed)
+    claim_run_dir(resolve_resume(resumed))
+    assert (run_dir / MARKER_FILE).read_bytes() == marker
