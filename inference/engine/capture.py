@@ -29,6 +29,11 @@ class RouteCapture:
     ``[batch, seq, len(moe_layers), top_k]`` tensor (or ``None`` when inactive). Hooks
     stay installed for the engine's lifetime; when inactive they return at once, so a
     batch without capture pays one attribute check per layer.
+
+    ``end()`` raises when a layer's hook did not fire in the forward. That is the one
+    check for an uncaptured layer: the trainer cannot tell one from the ids (with top-1
+    a layer may really send every token of a trajectory to expert 0), so
+    ``skyrl_train.workers.megatron.replay.validate_routes`` relies on it.
     """
 
     def __init__(

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -77,53 +77,234 @@ replay and find every route replayed, forward and recompute
 (tests/skyrl_train/workers/test_megatron_pipeline.py)."""
 
 
-def refuse_replay_incompatible(settings: Mapping[str, Any], *, key_prefix: str) -> None:
-    """Refuse TransformerConfig settings under which routing replay silently fails.
+@dataclasses.dataclass(frozen=True)
+class _Unsupported:
+    """One setting the worker cannot honour: refused when ``refused(settings)``."""
 
-    ``settings`` maps TransformerConfig field names to values (absent = unset). The
-    Megatron worker calls this again on the resolved TransformerConfig, since a
-    provider may fill in a value the YAML left unset.
+    field: str
+    """A TransformerConfig field (a ``megatron_config`` field too, where one has the name)."""
+    refused: Callable[[Mapping[str, Any]], bool]
+    """Whether to refuse, given every setting by field name (absent = unset)."""
+    expected: str
+    why: str
+    got: Callable[[Mapping[str, Any]], str] | None = None
+    """How the message shows what was found; by default the value as YAML spells a bool,
+    else its repr."""
+    replay_only: bool = True
+    """False: refused with or without routing replay."""
 
-    - Interleaved pipelines (VPP): a rank holds several model chunks whose forwards
-      and backwards interleave. Megatron's replay FIFO is filled by every chunk's
-      forward and popped per chunk, so it goes stale; the worker's replay is keyed by
-      (chunk, microbatch) instead, and is accepted at the sizes the tests prove
-      (``PROVEN_VPP_WITH_REPLAY``), with no recompute or full recompute.
-    - ``moe_router_fusion`` and sinkhorn load balancing take a routing path that
-      never consults ``RouterReplay``; megatron does not check either.
-    """
-    vpp = settings.get("virtual_pipeline_model_parallel_size")
-    if vpp:
-        pp = settings.get("pipeline_model_parallel_size", 1)
-        if (pp, vpp) not in PROVEN_VPP_WITH_REPLAY:
-            proven = ", ".join(
-                f"{v} at pipeline size {p}" for p, v in sorted(PROVEN_VPP_WITH_REPLAY)
-            )
-            raise ConfigValidationError(
-                f"{key_prefix}.virtual_pipeline_model_parallel_size",
-                f"expected null or {proven} with routing replay (replay on the "
-                f"interleaved schedule is proven by tests only there), got {vpp!r} at "
-                f"pipeline size {pp}",
-            )
-        granularity = settings.get("recompute_granularity")
-        if granularity not in (None, "full"):
-            raise ConfigValidationError(
-                f"{key_prefix}.recompute_granularity",
-                f"expected null or 'full' with routing replay under virtual pipeline "
-                f"parallelism (only those are proven there), got {granularity!r}",
-            )
-    if settings.get("moe_router_fusion"):
-        raise ConfigValidationError(
-            f"{key_prefix}.moe_router_fusion",
-            "expected false with routing replay (the fused router bypasses RouterReplay), got true",
+
+def _layout_stages(settings: Mapping[str, Any]) -> int | None:
+    """Virtual stages per rank a ``pipeline_model_parallel_layout`` implies, as megatron-core
+    derives them (stages // pipeline size); None if megatron-core cannot read the layout."""
+    layout: Any = settings.get("pipeline_model_parallel_layout")
+    if hasattr(layout, "virtual_pipeline_model_parallel_size"):  # already resolved
+        return int(layout.virtual_pipeline_model_parallel_size)
+    from megatron.core.transformer.pipeline_parallel_layer_layout import (
+        PipelineParallelLayerLayout,
+    )
+
+    if layout is not None and not isinstance(layout, str):  # a list of lists from YAML
+        layout = [list(stage) for stage in layout]
+    try:
+        parsed = PipelineParallelLayerLayout(
+            layout, settings.get("pipeline_model_parallel_size", 1)
         )
+    except (AssertionError, KeyError, TypeError, ValueError):
+        return None
+    return parsed.virtual_pipeline_model_parallel_size
+
+
+def _unproven_stages(pp: int, vpp: int | None) -> bool:
+    return (pp, vpp) not in PROVEN_VPP_WITH_REPLAY
+
+
+def _interleaved(settings: Mapping[str, Any]) -> bool:
+    """Virtual pipeline stages, set explicitly (even 1: Megatron still interleaves) or
+    implied by a layout."""
+    if settings.get("virtual_pipeline_model_parallel_size"):
+        return True
+    if settings.get("pipeline_model_parallel_layout") is None:
+        return False
+    return (_layout_stages(settings) or 1) > 1
+
+
+def _layout_refused(settings: Mapping[str, Any]) -> bool:
+    if settings.get("pipeline_model_parallel_layout") is None:
+        return False
+    vpp = _layout_stages(settings)
+    pp = settings.get("pipeline_model_parallel_size", 1)
+    return vpp is None or (vpp > 1 and _unproven_stages(pp, vpp))
+
+
+def _layout_found(settings: Mapping[str, Any]) -> str:
+    layout, vpp = settings["pipeline_model_parallel_layout"], _layout_stages(settings)
+    pp = settings.get("pipeline_model_parallel_size", 1)
+    if vpp is None:
+        return f"{layout!r}, which megatron-core cannot split over pipeline size {pp}"
+    return f"{layout!r}: {vpp} virtual stages at pipeline size {pp}"
+
+
+def _balancing_types(settings: Mapping[str, Any]) -> list[Any]:
     balancing = settings.get("moe_router_load_balancing_type")
-    kinds = [balancing] if isinstance(balancing, str) else list(balancing or [])
-    if "sinkhorn" in kinds:
+    return [balancing] if isinstance(balancing, str) else list(balancing or [])
+
+
+_PROVEN = ", ".join(f"{v} at pipeline size {p}" for p, v in sorted(PROVEN_VPP_WITH_REPLAY))
+_PROVEN_STAGES = ", ".join(
+    f"{v} virtual stages at pipeline size {p}" for p, v in sorted(PROVEN_VPP_WITH_REPLAY)
+)
+_TP_WHY = (
+    "the worker's log-softmax would run over one shard of the vocabulary, and its gradient "
+    "sync and clipping know no tensor-parallel group; with replay each router would also "
+    "see only a shard of the tokens its replay target covers"
+)
+_GRAPH_WHY = (
+    "a captured CUDA graph reads the replay target it was captured with, and the default "
+    "cuda_graph_scope captures whole layers, routers included; no test runs graphs with replay"
+)
+
+UNSUPPORTED_MEGATRON_SETTINGS: tuple[_Unsupported, ...] = (
+    _Unsupported(
+        "tensor_model_parallel_size",
+        lambda s: s.get("tensor_model_parallel_size", 1) > 1,
+        "1",
+        _TP_WHY,
+        replay_only=False,
+    ),
+    _Unsupported(
+        "context_parallel_size",
+        lambda s: s.get("context_parallel_size", 1) > 1,
+        "1",
+        "each rank would hold a slice of every sequence, while the worker's log-probs, "
+        "loss and replayed routes cover whole sequences",
+        replay_only=False,
+    ),
+    _Unsupported(
+        "sequence_parallel",
+        lambda s: bool(s.get("sequence_parallel")),
+        "false",
+        "it needs tensor_model_parallel_size > 1, which the worker refuses",
+        replay_only=False,
+    ),
+    _Unsupported(
+        "pipeline_model_parallel_layout",
+        _layout_refused,
+        f"null or a layout of 1 virtual stage per rank or of {_PROVEN_STAGES}",
+        "a layout with virtual stages takes the interleaved schedule, and replay there is "
+        "proven by tests only at those sizes",
+        _layout_found,
+    ),
+    _Unsupported(
+        "virtual_pipeline_model_parallel_size",
+        lambda s: (
+            bool(vpp := s.get("virtual_pipeline_model_parallel_size"))
+            and _unproven_stages(s.get("pipeline_model_parallel_size", 1), vpp)
+        ),
+        f"null or {_PROVEN}",
+        "replay on the interleaved schedule is proven by tests only there",
+        lambda s: (
+            f"{s['virtual_pipeline_model_parallel_size']!r} at pipeline size "
+            f"{s.get('pipeline_model_parallel_size', 1)}"
+        ),
+    ),
+    _Unsupported(
+        "recompute_granularity",
+        lambda s: _interleaved(s) and s.get("recompute_granularity") not in (None, "full"),
+        "null or 'full'",
+        "only those are proven under virtual pipeline stages",
+    ),
+    _Unsupported(
+        "moe_router_fusion",
+        lambda s: bool(s.get("moe_router_fusion")),
+        "false",
+        "the fused router bypasses RouterReplay",
+    ),
+    _Unsupported(
+        "moe_router_load_balancing_type",
+        lambda s: "sinkhorn" in _balancing_types(s),
+        "no 'sinkhorn'",
+        "sinkhorn routing bypasses RouterReplay",
+    ),
+    _Unsupported(
+        "moe_router_force_load_balancing",
+        lambda s: bool(s.get("moe_router_force_load_balancing")),
+        "false",
+        "it routes on random logits, so the replayed experts would get random weights",
+    ),
+    # Measured at factor 1.0: of 64 replayed rows, none kept its K experts, and the
+    # ragged dispatch then failed in DispatchCapture's reshape (replay.py now names it).
+    _Unsupported(
+        "moe_expert_capacity_factor",
+        lambda s: s.get("moe_expert_capacity_factor") is not None,
+        "null",
+        "Megatron drops the tokens over an expert's capacity after the replayed top-k, so "
+        "replayed tokens lose some of their experts",
+    ),
+    _Unsupported(
+        "enable_cuda_graph",
+        lambda s: bool(s.get("enable_cuda_graph")),
+        "false",
+        _GRAPH_WHY,
+    ),
+    _Unsupported(
+        "external_cuda_graph",
+        lambda s: bool(s.get("external_cuda_graph")),
+        "false",
+        _GRAPH_WHY,
+    ),
+    _Unsupported(
+        "cuda_graph_impl",
+        lambda s: s.get("cuda_graph_impl") not in (None, "none"),
+        "'none'",
+        _GRAPH_WHY,
+    ),
+)
+"""What ``refuse_replay_incompatible`` refuses, in the order it checks: megatron-core
+settings under which routing replay silently fails or crashes late (most of which
+megatron-core does not check), and the parallelisms the worker's loss and gradient code
+do not implement, refused with or without replay."""
+
+
+def refuse_replay_incompatible(
+    mc: MegatronConfig, *, key_prefix: str, resolved: Mapping[str, Any] | None = None
+) -> None:
+    """Refuse, naming the key, a setting of ``UNSUPPORTED_MEGATRON_SETTINGS``: every row
+    while routing replay is on, the rows marked ``replay_only=False`` always.
+
+    ``mc`` is the ``megatron_config`` node at ``key_prefix``. Without ``resolved`` its
+    fields are checked with its ``transformer_config_kwargs`` over them, as launch
+    validation sees the YAML. The Megatron worker passes ``resolved`` (the kwargs it
+    builds the TransformerConfig from, then the built config's fields), since
+    megatron-core can derive a value the YAML left unset (virtual stages from a
+    pipeline layout, a CUDA-graph implementation from its deprecated flags). A value is
+    named under ``transformer_config_kwargs`` when the passthrough sets it or no
+    ``megatron_config`` field has its name, else as that field.
+
+    Interleaved pipelines: Megatron's replay FIFO goes stale when a rank's model chunks
+    interleave; the worker keys replay by (chunk, microbatch) instead, accepted at the
+    sizes tests prove (``PROVEN_VPP_WITH_REPLAY``), with no recompute or full recompute.
+    """
+    settings = resolved
+    if settings is None:
+        top = {name: getattr(mc, name) for name in _MEGATRON_CONFIG_OWNED}
+        settings = {**top, **mc.transformer_config_kwargs}
+    replay = bool(settings.get("moe_enable_routing_replay"))
+    for rule in UNSUPPORTED_MEGATRON_SETTINGS:
+        if (rule.replay_only and not replay) or not rule.refused(settings):
+            continue
+        passthrough = rule.field in mc.transformer_config_kwargs
+        key = (
+            f"{key_prefix}.{rule.field}"
+            if rule.field in _MEGATRON_CONFIG_OWNED and not passthrough
+            else f"{key_prefix}.transformer_config_kwargs.{rule.field}"
+        )
+        value = settings[rule.field]
+        shown = str(value).lower() if isinstance(value, bool) else repr(value)
+        found = rule.got(settings) if rule.got else shown
+        when = " with routing replay" if rule.replay_only else ""
         raise ConfigValidationError(
-            f"{key_prefix}.moe_router_load_balancing_type",
-            f"expected no 'sinkhorn' with routing replay (sinkhorn routing bypasses "
-            f"RouterReplay), got {balancing!r}",
+            key, f"expected {rule.expected}{when} ({rule.why}), got {found}"
         )
 
 
@@ -144,16 +325,8 @@ def _check_routing_replay(cfg: PPOConfig) -> None:
             "generator.inference_engine.enable_return_routed_experts is false "
             f"({prefix}.routing_replay_source=old_policy replays the trainer's own)",
         )
-    pipeline = {
-        "virtual_pipeline_model_parallel_size": mc.virtual_pipeline_model_parallel_size,
-        "pipeline_model_parallel_size": mc.pipeline_model_parallel_size,
-    }
-    refuse_replay_incompatible(pipeline, key_prefix=prefix)
-    # The passthrough can set VPP itself or the recompute it is checked against.
-    refuse_replay_incompatible(
-        {**pipeline, **mc.transformer_config_kwargs},
-        key_prefix=f"{prefix}.transformer_config_kwargs",
-    )
+    # The Megatron settings replay cannot honour are refused in _check_megatron, after
+    # the layout arithmetic, so a layout that does not fit is named as such first.
 
 
 def _check_model(model: ModelConfig) -> MoEArchitecture:
@@ -321,6 +494,9 @@ def _check_megatron(cfg: PPOConfig, arch: MoEArchitecture, mc: MegatronConfig, p
                 f"expected null unless pipeline_model_parallel_size >= 2 (it is {pp}), got {vpp}",
             )
         _divides(pp * vpp, arch.num_layers, key, "the layer count")
+    # Before the passthrough's own checks: a VPP set there is refused as unproven
+    # with replay, naming the passthrough key.
+    refuse_replay_incompatible(mc, key_prefix=prefix)
     _check_transformer_kwargs(mc.transformer_config_kwargs, f"{prefix}.transformer_config_kwargs")
 
 

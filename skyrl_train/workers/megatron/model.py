@@ -28,13 +28,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
-from types import SimpleNamespace
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from inference.models.architecture import MoEArchitecture
+from skyrl_train.config import refuse_replay_incompatible
 from skyrl_train.config.schema import MegatronConfig
 from skyrl_train.errors import ConfigValidationError
 from skyrl_train.workers.megatron.cpu_compat import apply_cpu_compat, cpu_compat_needed
@@ -119,8 +119,10 @@ def transformer_config_kwargs(arch: MoEArchitecture, mc: MegatronConfig) -> dict
 
 
 def build_transformer_config(arch: MoEArchitecture, mc: MegatronConfig) -> Any:
-    """The resolved TransformerConfig; replay compatibility is checked before and after
-    construction (a pipeline layout can imply VPP only once the config resolves it)."""
+    """The resolved TransformerConfig. ``refuse_replay_incompatible`` (launch
+    validation's rule) runs again on the kwargs and on the built config: a passthrough
+    kwarg or a Python-built node skipped validation, and megatron-core derives some
+    values (virtual stages from a pipeline layout) only while it builds the config."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     if arch.qk_norm == "full" and mc.tensor_model_parallel_size != 1:
@@ -140,58 +142,12 @@ def build_transformer_config(arch: MoEArchitecture, mc: MegatronConfig) -> Any:
             f"{mc.pipeline_model_parallel_size}",
         )
     kwargs = transformer_config_kwargs(arch, mc)
-    refuse_replay_incompatible(mc, SimpleNamespace(**kwargs))
+    # On the kwargs first, so a refused value is named before megatron-core's own
+    # checks reject it less clearly (bare asserts on the CUDA-graph flags).
+    refuse_replay_incompatible(mc, key_prefix=MEGATRON_CONFIG_KEY, resolved=kwargs)
     config = TransformerConfig(**kwargs)
-    refuse_replay_incompatible(mc, config)
+    refuse_replay_incompatible(mc, key_prefix=MEGATRON_CONFIG_KEY, resolved=vars(config))
     return config
-
-
-def refuse_replay_incompatible(mc: MegatronConfig, resolved: Any) -> None:
-    """Raise ConfigValidationError if replay is on and the resolved config defeats it.
-
-    Launch validation (``validate_cfg``) saw only the YAML; a passthrough kwarg or a
-    pipeline layout can set ``virtual_pipeline_model_parallel_size`` after it ran, so
-    its rules are applied again to ``resolved`` (the built TransformerConfig, or the
-    kwargs about to build it), naming the key the offending value came from.
-    """
-    from skyrl_train.config.validate import refuse_replay_incompatible as refuse
-
-    if not mc.moe_enable_routing_replay:
-        return
-    kw_key = f"{MEGATRON_CONFIG_KEY}.transformer_config_kwargs"
-    vpp_from_top_level = bool(mc.virtual_pipeline_model_parallel_size) and not (
-        mc.transformer_config_kwargs.get("virtual_pipeline_model_parallel_size")
-    )
-    pipeline = {
-        name: getattr(resolved, name, None)
-        for name in ("virtual_pipeline_model_parallel_size", "pipeline_model_parallel_size")
-    }
-    refuse(pipeline, key_prefix=MEGATRON_CONFIG_KEY if vpp_from_top_level else kw_key)
-    refuse(
-        {
-            **pipeline,
-            "recompute_granularity": getattr(resolved, "recompute_granularity", None),
-            "moe_router_fusion": getattr(resolved, "moe_router_fusion", False),
-            "moe_router_load_balancing_type": getattr(
-                resolved, "moe_router_load_balancing_type", None
-            ),
-        },
-        key_prefix=kw_key,
-    )
-
-
-def refuse_unsupported_on_cpu(mc: MegatronConfig) -> None:
-    """The CPU path has no sequence parallelism (which MoE with TP>1 needs) and no
-    context-parallel attention; data, expert and pipeline parallelism run here."""
-    if not cpu_compat_needed():
-        return
-    for name in ("tensor_model_parallel_size", "context_parallel_size"):
-        if getattr(mc, name) != 1:
-            raise ConfigValidationError(
-                f"{MEGATRON_CONFIG_KEY}.{name}",
-                f"expected 1 on CPU (data, expert and pipeline parallelism run without "
-                f"CUDA), got {getattr(mc, name)}",
-            )
 
 
 def init_distributed(*, rank: int, world_size: int, init_method: str) -> None:

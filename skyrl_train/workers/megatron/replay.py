@@ -141,15 +141,17 @@ def validate_routes(
     routes: torch.Tensor,
     routers: LocalRouters,
     *,
-    padding_mask: torch.Tensor | None = None,
     trajectory_ids: Sequence[str] | None = None,
 ) -> None:
     """Refuse routes the routers cannot replay; the message names trajectory and layer.
 
     ``routes`` is batch-first ``[B, S, L_moe, K]``: one layer per MoE layer of the model.
     Checks: shape against the model; ids in ``[0, num_experts)``; K distinct ids per
-    row; and no layer that is all zeros for every real token of a trajectory (an engine
-    elsewhere captured zeros silently for a layer it never hooked).
+    row. A layer the engine never captured cannot be told from its ids (with top-1,
+    every token of a short trajectory can really go to expert 0), so it is refused
+    where the routes are made: ``RouteCapture.end()`` (``inference/engine/capture.py``)
+    raises when a layer's hook did not fire in a forward, as ``recorded_routes`` does
+    for a router that recorded nothing (R2).
     """
     names = list(trajectory_ids) if trajectory_ids is not None else None
 
@@ -157,7 +159,7 @@ def validate_routes(
         return f"trajectory {names[b]!r} (batch row {b})" if names else f"batch row {b}"
 
     check_route_shape(routes, routers)
-    batch, seq, _layers, top_k = routes.shape
+    batch, _seq, _layers, top_k = routes.shape
     if names is not None and len(names) != batch:
         raise RouteReplayError(f"trajectory_ids: expected {batch} ids, got {len(names)}")
     if routes.is_floating_point() or routes.dtype == torch.bool:
@@ -172,19 +174,6 @@ def validate_routes(
         raise RouteReplayError(
             f"{who(b)}, {where}, token {s}: expected expert ids in "
             f"[0, {routers.num_experts}), got {int(ids[b, s, layer, k])}"
-        )
-    real = (
-        torch.ones(batch, seq, dtype=torch.bool)
-        if padding_mask is None
-        else ~padding_mask.to(torch.bool)
-    )
-    zero_layer = ((ids == 0).all(dim=3) | ~real[:, :, None]).all(dim=1) & real.any(dim=1)[:, None]
-    if zero_layer.any():
-        b, layer = (int(x) for x in zero_layer.nonzero()[0])
-        where = routers.describe_layer(layer)
-        raise RouteReplayError(
-            f"{who(b)}, {where}: expected recorded expert ids, got all zeros for "
-            f"every token (the engine did not capture this layer)"
         )
     ordered = ids.sort(dim=3).values
     repeated = (ordered[..., 1:] == ordered[..., :-1]).any(dim=3)
@@ -301,9 +290,14 @@ class DispatchCapture:
     """What each router actually dispatched (its routing map), in any mode, per
     microbatch: ``begin(m, batch, seq)`` before a chunk's forward, ``end()`` after it.
     Forwards outside a begin/end pair (activation recompute in the backward) are not
-    recorded. Reading the routers' output also proves that a replay took."""
+    recorded. Reading the routers' output also proves that a replay took.
+
+    Every token must be dispatched to exactly K experts; a routing map that drops or
+    adds some (token dropping at an expert capacity, which launch validation refuses
+    with replay) raises ``RouteReplayError`` with both counts."""
 
     def __init__(self, routers: LocalRouters) -> None:
+        self._routers = routers
         self._index = {id(module): i for i, module in enumerate(routers.modules)}
         self._active: tuple[int, int, int] | None = None
         self.got: dict[int, dict[int, torch.Tensor]] = {}
@@ -315,9 +309,21 @@ class DispatchCapture:
             return
         microbatch, batch, seq = self._active
         routing_map = output[1]  # [tokens, E] bool, tokens sequence-first
-        ids = routing_map.nonzero()[:, 1].reshape(routing_map.shape[0], -1)
-        rows = ids.reshape(seq, batch, -1).transpose(0, 1).detach().cpu()
-        self.got.setdefault(microbatch, {})[self._index[id(module)]] = rows
+        index = self._index[id(module)]
+        tokens, top_k = routing_map.shape[0], self._routers.top_k
+        per_token = routing_map.sum(dim=1)
+        if not bool((per_token == top_k).all()):
+            # nonzero() of a ragged map reshapes into misgrouped rows, or fails opaquely.
+            where = self._routers.describe_layer(self._routers.route_layers[index])
+            raise RouteReplayError(
+                f"dispatched routes, {where}, microbatch {microbatch}: expected {tokens} "
+                f"tokens x top-{top_k} = {tokens * top_k} routes, got "
+                f"{int(per_token.sum())} ({int((per_token != top_k).sum())} of the {tokens} "
+                f"tokens with another count; is moe_expert_capacity_factor set?)"
+            )
+        ids = routing_map.nonzero()[:, 1].reshape(tokens, top_k)
+        rows = ids.reshape(seq, batch, top_k).transpose(0, 1).detach().cpu()
+        self.got.setdefault(microbatch, {})[index] = rows
 
     def begin(self, microbatch: int, *, batch: int, seq: int) -> None:
         self._active = (microbatch, batch, seq)

@@ -53,7 +53,6 @@ from skyrl_train.workers.megatron.model import (
     build_transformer_config,
     causal_attention_mask,
     init_parallel_state,
-    refuse_unsupported_on_cpu,
 )
 from skyrl_train.workers.megatron.pipeline import PipelineGroup
 
@@ -152,7 +151,6 @@ class MegatronPolicyWorker:
         parallel state, build the model and the optimizer."""
         apply_cpu_compat()
         config = build_transformer_config(self.architecture, self.megatron_config)
-        refuse_unsupported_on_cpu(self.megatron_config)
         init_parallel_state(self.megatron_config, seed=self.seed)
         self.chunks = build_model_chunks(self.architecture, config, seed=self.seed)
         self.model = self.chunks[0] if len(self.chunks) == 1 else torch.nn.ModuleList(self.chunks)
@@ -540,7 +538,6 @@ class MegatronPolicyWorker:
         replay.validate_routes(
             batch.routed_experts,
             routers,
-            padding_mask=batch.router_padding_mask,
             trajectory_ids=trajectory_ids,
         )
         return True

@@ -8,6 +8,7 @@ built from the engine's exported weights, run once over prompt + response with
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from inference.engine.base import EngineRequest, SamplingParams
@@ -71,3 +72,26 @@ def test_single_token_generation_has_prompt_rows_only(fp32_engine) -> None:
     out = fp32_engine.generate_sync([req])[0]
     assert len(out.token_ids) == 1
     assert out.routed_experts is not None and out.routed_experts.shape == (0, 4, 2)
+
+
+def test_a_layer_whose_hook_did_not_fire_is_refused_by_name() -> None:
+    # The trainer cannot tell an uncaptured layer from its ids (top-1 may really send
+    # every token to expert 0; replay.validate_routes relies on this check instead).
+    from inference.engine.capture import RouteCapture
+
+    cfg = TinyMoEConfig()
+    model = build_hf_model(cfg, seed=0, dtype=torch.float32)
+    capture = RouteCapture(model, num_experts=cfg.num_experts, moe_layers=range(cfg.num_layers))
+    capture.active = True
+    capture.begin(1, 3)
+    with torch.no_grad():
+        model(input_ids=torch.tensor([[1, 2, 3]]))
+    routes = capture.end()
+    assert routes is not None and routes.shape == (1, 3, cfg.num_layers, 2)
+    capture.begin(1, 3)
+    hidden = torch.randn(3, cfg.hidden_size)
+    for layer in (0, 1, 3):  # layer 2's router never runs
+        capture.gates[layer](hidden)
+    with pytest.raises(RuntimeError, match=r"decoder layers \[2\] produced no routes"):
+        capture.end()
+    capture.remove()

@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 
-from skyrl_train.config import load_config, refuse_replay_incompatible, validate_cfg
+from skyrl_train.config import (
+    MegatronConfig,
+    load_config,
+    refuse_replay_incompatible,
+    validate_cfg,
+)
+from skyrl_train.config.validate import UNSUPPORTED_MEGATRON_SETTINGS
 from skyrl_train.errors import ConfigValidationError
+from skyrl_train.trainer.checkpoint import DRIVER_FILE, begin_save, commit_save
+from skyrl_train.utils.durable import write_file
 
 POLICY = "trainer.policy.megatron_config"
 KW = "transformer_config_kwargs"
@@ -136,14 +145,105 @@ def test_the_reference_has_no_megatron_settings_of_its_own() -> None:
 
 
 def test_refuse_replay_incompatible_for_resolved_worker_settings() -> None:
+    mc = MegatronConfig()
     refuse_replay_incompatible(
-        {"virtual_pipeline_model_parallel_size": None, "moe_router_fusion": False,
-         "moe_router_load_balancing_type": "aux_loss"},
+        mc,
         key_prefix=POLICY,
+        resolved={"moe_enable_routing_replay": True, "virtual_pipeline_model_parallel_size": None,
+                  "moe_router_fusion": False, "moe_router_load_balancing_type": "aux_loss"},
     )  # fmt: skip
     with pytest.raises(ConfigValidationError) as info:
-        refuse_replay_incompatible({"virtual_pipeline_model_parallel_size": 4}, key_prefix=POLICY)
+        refuse_replay_incompatible(
+            mc,
+            key_prefix=POLICY,
+            resolved={"moe_enable_routing_replay": True, "virtual_pipeline_model_parallel_size": 4},
+        )
     assert info.value.path == f"{POLICY}.virtual_pipeline_model_parallel_size"
+
+
+PP2_LAYERS8 = [*PP2, "model.builtin.num_layers=8"]
+LAYOUT = f"+{POLICY}.{KW}.pipeline_model_parallel_layout"
+
+# One case per row of UNSUPPORTED_MEGATRON_SETTINGS (the test below checks that), each
+# with a fragment of the reason the message gives.
+REPLAY_REFUSALS = [
+    ([f"+{POLICY}.{KW}.moe_expert_capacity_factor=1.0"], f"{KW}.moe_expert_capacity_factor", "drops the tokens over an expert's capacity"),
+    ([f"+{POLICY}.{KW}.moe_router_force_load_balancing=true"], f"{KW}.moe_router_force_load_balancing", "random logits"),
+    ([f"+{POLICY}.{KW}.enable_cuda_graph=true"], f"{KW}.enable_cuda_graph", "captured CUDA graph"),
+    ([f"+{POLICY}.{KW}.external_cuda_graph=true"], f"{KW}.external_cuda_graph", "captured CUDA graph"),
+    ([f"+{POLICY}.{KW}.cuda_graph_impl=local"], f"{KW}.cuda_graph_impl", "got 'local'"),
+    ([f"+{POLICY}.{KW}.moe_router_fusion=true"], f"{KW}.moe_router_fusion", "bypasses RouterReplay"),
+    ([f"+{POLICY}.{KW}.moe_router_load_balancing_type=sinkhorn"], f"{KW}.moe_router_load_balancing_type", "sinkhorn"),
+    ([*PP2, f"{POLICY}.virtual_pipeline_model_parallel_size=1"], "virtual_pipeline_model_parallel_size", "got 1 at pipeline size 2"),
+    ([*PP2, f"{POLICY}.virtual_pipeline_model_parallel_size=2", f"+{POLICY}.{KW}.recompute_granularity=selective"], f"{KW}.recompute_granularity", "got 'selective'"),
+    # 8 stages at PP=2 imply VPP=4, which virtual_pipeline_model_parallel_size never shows.
+    ([*PP2_LAYERS8, f"{LAYOUT}='Et|t|t|t|t|t|t|tL'"], f"{KW}.pipeline_model_parallel_layout", "4 virtual stages at pipeline size 2"),
+    ([*PP2, f"{LAYOUT}='Et|t|tL'"], f"{KW}.pipeline_model_parallel_layout", "cannot split over pipeline size 2"),
+    ([*PP2, f"{LAYOUT}='Et|t|t|tL'", f"+{POLICY}.{KW}.recompute_granularity=selective"], f"{KW}.recompute_granularity", "got 'selective'"),
+    (["trainer.placement.num_trainers=2", f"{POLICY}.tensor_model_parallel_size=2"], "tensor_model_parallel_size", "one shard of the vocabulary"),
+    (["trainer.placement.num_trainers=2", f"{POLICY}.context_parallel_size=2"], "context_parallel_size", "a slice of every sequence"),
+    ([f"+{POLICY}.{KW}.sequence_parallel=true"], f"{KW}.sequence_parallel", "got true"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("overrides", "key", "fragment"), REPLAY_REFUSALS)
+def test_replay_refuses_each_megatron_setting_it_cannot_honour(
+    overrides: list[str], key: str, fragment: str
+) -> None:
+    err = _refusal(overrides)
+    assert err.path == f"{POLICY}.{key}"
+    assert err.reason.startswith("expected ") and fragment in err.reason
+    assert ", got " in err.reason
+
+
+def test_every_unsupported_setting_has_a_refusal_case() -> None:
+    covered = {key.rsplit(".", 1)[-1] for _overrides, key, _fragment in REPLAY_REFUSALS}
+    assert covered == {rule.field for rule in UNSUPPORTED_MEGATRON_SETTINGS}
+
+
+@pytest.mark.parametrize(
+    ("overrides", "key"),
+    [
+        (["trainer.placement.num_trainers=2", f"{POLICY}.tensor_model_parallel_size=2"], "tensor_model_parallel_size"),
+        (["trainer.placement.num_trainers=2", f"{POLICY}.context_parallel_size=2"], "context_parallel_size"),
+        ([f"+{POLICY}.{KW}.sequence_parallel=true"], f"{KW}.sequence_parallel"),
+    ],
+)  # fmt: skip
+def test_tensor_and_context_parallelism_are_refused_without_replay_too(
+    overrides: list[str], key: str
+) -> None:
+    # The vocab-sharded log-softmax and the clipping's missing TP group are wrong with
+    # or without replay; only the replay-specific reason is conditional.
+    err = _refusal([*overrides, f"{POLICY}.moe_enable_routing_replay=false"])
+    assert err.path == f"{POLICY}.{key}"
+    assert "with routing replay" not in err.reason
+
+
+def test_without_replay_the_replay_only_settings_are_valid() -> None:
+    validate_cfg(
+        load_config(
+            [
+                f"{POLICY}.moe_enable_routing_replay=false",
+                f"+{POLICY}.{KW}.moe_expert_capacity_factor=1.0",
+                f"+{POLICY}.{KW}.moe_router_force_load_balancing=true",
+                f"+{POLICY}.{KW}.cuda_graph_impl=local",
+            ]
+        )
+    )
+
+
+def test_replay_accepts_layouts_without_virtual_stages_or_with_proven_ones() -> None:
+    validate_cfg(load_config([*PP2, f"{LAYOUT}='Ett|ttL'"]))  # one stage per rank
+    validate_cfg(load_config([*PP2, f"{LAYOUT}='Et|t|t|tL'"]))  # VPP=2 at PP=2, proven
+    validate_cfg(
+        load_config(
+            [
+                *PP2,
+                f"{LAYOUT}=[[embedding,decoder],[decoder],[decoder],[decoder,loss]]",
+                f"+{POLICY}.{KW}.recompute_granularity=full",
+            ]
+        )
+    )
 
 
 # ---------------------------------------------------------- transformer kwargs
@@ -165,7 +265,8 @@ def test_transformer_kwargs_must_be_transformer_config_fields() -> None:
     ],
 )
 def test_transformer_kwargs_cannot_override_owned_keys(name: str, where: str) -> None:
-    err = _refusal([f"+{POLICY}.{KW}.{name}=2"])
+    # 1, not 2: tensor parallelism > 1 is refused as such before the owner is named.
+    err = _refusal([f"+{POLICY}.{KW}.{name}=1"])
     assert err.path == f"{POLICY}.{KW}.{name}"
     assert where in err.reason
 
@@ -235,7 +336,8 @@ def test_parallel_layouts_that_fit_are_valid(tmp_path: Path) -> None:
         load_config(
             [
                 "trainer.placement.num_trainers=4",
-                f"{POLICY}.tensor_model_parallel_size=2",
+                # Expert, not tensor, parallelism: the worker refuses TP > 1.
+                f"{POLICY}.expert_model_parallel_size=2",
                 f"{POLICY}.pipeline_model_parallel_size=2",
                 "trainer.micro_train_batch_size_per_gpu=16",
             ]
@@ -382,6 +484,7 @@ def test_a_run_dir_holding_another_runs_metrics_is_refused_unless_resuming(
     assert err.path == "trainer.run_dir"
     assert "trainer.resume_from" in err.reason and str(run_dir) in err.reason
     assert (run_dir / "metrics.jsonl").read_text().count("\n") == 1  # left as it was
-    checkpoint = run_dir / "checkpoints" / "step_000001"
-    checkpoint.mkdir(parents=True)
+    folder = begin_save(run_dir / "checkpoints", step=1)
+    write_file(folder / DRIVER_FILE, json.dumps({"step": 1, "world_size": 1}).encode())
+    checkpoint = commit_save(folder, step=1)
     validate_cfg(load_config([f"trainer.run_dir={run_dir}", f"trainer.resume_from={checkpoint}"]))

@@ -1,5 +1,6 @@
-"""Refusals that need no model: the megatron_config node, VPP/fusion/sinkhorn with
-replay, route checks, and the contiguous re-layout of left-padded rows."""
+"""Refusals that need no model: the megatron_config node, every Megatron setting replay
+cannot honour (at worker build), route checks, a ragged dispatch, and the contiguous
+re-layout of left-padded rows."""
 
 from __future__ import annotations
 
@@ -11,18 +12,21 @@ import torch
 from _megatron_batches import make_batch
 
 from inference.models.tiny_moe import TinyMoEConfig
+from skyrl_train.config import refuse_replay_incompatible
 from skyrl_train.config.schema import MegatronConfig
+from skyrl_train.config.validate import UNSUPPORTED_MEGATRON_SETTINGS
 from skyrl_train.errors import ConfigValidationError, RouteReplayError
 from skyrl_train.workers.megatron.layout import (
     make_contiguous,
     shard_for_data_parallel_rank,
     shift_rows,
 )
-from skyrl_train.workers.megatron.model import refuse_unsupported_on_cpu, transformer_config_kwargs
-from skyrl_train.workers.megatron.replay import LocalRouters, validate_routes
+from skyrl_train.workers.megatron.model import build_transformer_config, transformer_config_kwargs
+from skyrl_train.workers.megatron.replay import DispatchCapture, LocalRouters, validate_routes
 from skyrl_train.workers.megatron.worker import MegatronPolicyWorker
 
 KEY = "trainer.policy.megatron_config"
+KW = "transformer_config_kwargs"
 CFG = TinyMoEConfig()
 ARCH = CFG.architecture()
 
@@ -96,11 +100,79 @@ def test_pipelines_refuse_tied_embeddings() -> None:
         MegatronPolicyWorker(tied, MegatronConfig(pipeline_model_parallel_size=2)).setup()
 
 
-def test_cpu_path_refuses_tensor_and_context_parallelism_not_pipelines() -> None:
+def test_tensor_and_context_parallelism_are_refused_on_any_device_not_pipelines() -> None:
+    # Refused in build_transformer_config, whatever the device and with replay off too
+    # (the log-softmax and the gradient clipping are wrong under them either way).
     for key in ("tensor_model_parallel_size", "context_parallel_size"):
-        with pytest.raises(ConfigValidationError, match=rf"^{KEY}\.{key}: expected 1 on CPU"):
-            refuse_unsupported_on_cpu(MegatronConfig(**{key: 2}))
-    refuse_unsupported_on_cpu(MegatronConfig(pipeline_model_parallel_size=2))
+        for replay in (True, False):
+            mc = MegatronConfig(moe_enable_routing_replay=replay, **{key: 2})
+            with pytest.raises(ConfigValidationError, match=rf"^{KEY}\.{key}: expected 1 \("):
+                build_transformer_config(ARCH, mc)
+    build_transformer_config(ARCH, MegatronConfig(pipeline_model_parallel_size=2))
+
+
+LAYOUT = "pipeline_model_parallel_layout"
+
+# One case per row of UNSUPPORTED_MEGATRON_SETTINGS: the MegatronConfig (replay on) and
+# the key its refusal names.
+WORKER_REFUSALS = [
+    ({"transformer_config_kwargs": {"moe_expert_capacity_factor": 1.0}}, f"{KW}.moe_expert_capacity_factor"),
+    ({"transformer_config_kwargs": {"moe_router_force_load_balancing": True}}, f"{KW}.moe_router_force_load_balancing"),
+    ({"transformer_config_kwargs": {"enable_cuda_graph": True}}, f"{KW}.enable_cuda_graph"),
+    ({"transformer_config_kwargs": {"external_cuda_graph": True}}, f"{KW}.external_cuda_graph"),
+    ({"transformer_config_kwargs": {"cuda_graph_impl": "local"}}, f"{KW}.cuda_graph_impl"),
+    ({"transformer_config_kwargs": {"moe_router_fusion": True}}, f"{KW}.moe_router_fusion"),
+    ({"transformer_config_kwargs": {"moe_router_load_balancing_type": "sinkhorn"}}, f"{KW}.moe_router_load_balancing_type"),
+    ({"virtual_pipeline_model_parallel_size": 2}, "virtual_pipeline_model_parallel_size"),
+    ({"pipeline_model_parallel_size": 2, "virtual_pipeline_model_parallel_size": 2,
+      "transformer_config_kwargs": {"recompute_granularity": "selective"}}, f"{KW}.recompute_granularity"),
+    ({"transformer_config_kwargs": {LAYOUT: "Ett|ttL"}}, f"{KW}.{LAYOUT}"),  # VPP=2 at PP=1
+    ({"tensor_model_parallel_size": 2}, "tensor_model_parallel_size"),
+    ({"context_parallel_size": 2}, "context_parallel_size"),
+    ({"transformer_config_kwargs": {"sequence_parallel": True}}, f"{KW}.sequence_parallel"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("values", "key"), WORKER_REFUSALS)
+def test_worker_build_refuses_each_setting_replay_cannot_honour(values: dict, key: str) -> None:
+    with pytest.raises(ConfigValidationError) as err:
+        build_transformer_config(ARCH, MegatronConfig(moe_enable_routing_replay=True, **values))
+    assert err.value.path == f"{KEY}.{key}"
+    assert err.value.reason.startswith("expected ") and ", got " in err.value.reason
+
+
+def test_every_unsupported_setting_is_refused_at_worker_build() -> None:
+    covered = {key.rsplit(".", 1)[-1] for _values, key in WORKER_REFUSALS}
+    assert covered == {rule.field for rule in UNSUPPORTED_MEGATRON_SETTINGS}
+
+
+def test_the_built_configs_derived_virtual_stages_are_checked_too() -> None:
+    # megatron-core turns the layout into an object and sets VPP from it while building;
+    # the rule reads both from the built config.
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    arch = TinyMoEConfig(num_layers=8).architecture()
+    mc = MegatronConfig(
+        pipeline_model_parallel_size=2,
+        transformer_config_kwargs={LAYOUT: "Et|t|t|t|t|t|t|tL"},
+    )
+    built = TransformerConfig(**transformer_config_kwargs(arch, mc))
+    assert built.virtual_pipeline_model_parallel_size == 4
+    with pytest.raises(ConfigValidationError, match="4 virtual stages at pipeline size 2") as err:
+        refuse_replay_incompatible(mc, key_prefix=KEY, resolved=vars(built))
+    assert err.value.path == f"{KEY}.{KW}.{LAYOUT}"
+
+
+def test_a_capacity_factor_is_refused_before_any_model_is_built() -> None:
+    # Megatron would drop replayed routes over capacity; DispatchCapture's reshape of
+    # the ragged dispatch is never reached because no model is built.
+    worker = MegatronPolicyWorker(
+        ARCH,
+        MegatronConfig(transformer_config_kwargs={"moe_expert_capacity_factor": 1.0}),
+    )
+    with pytest.raises(ConfigValidationError, match=rf"^{KEY}\.{KW}\.moe_expert_capacity_factor"):
+        worker.setup()
+    assert worker.chunks == [] and worker.routers is None
 
 
 # ---- route checks --------------------------------------------------------------
@@ -169,14 +241,17 @@ def test_route_shape_must_match_model(shape: tuple[int, ...]) -> None:
         validate_routes(routes, ROUTERS)
 
 
-def test_layer_of_all_zeros_is_refused_padding_ignored() -> None:
+def test_a_layer_of_zeros_is_judged_by_its_ids_alone() -> None:
+    # An uncaptured layer is refused where routes are made (RouteCapture.end() raises
+    # when a layer's hook did not fire); here zeros are only what the ids say.
     routes = _routes()
-    padding = torch.zeros(2, 5, dtype=torch.bool)
-    padding[0, 3:] = True
     routes[0, :, 3] = torch.tensor([0, 1])  # padding rows: arange(K)
     routes[0, :3, 3] = 0  # every real token of trajectory 0, layer 3
-    with pytest.raises(RouteReplayError, match=r"'t0' \(batch row 0\), layer 3: .*all zeros"):
-        validate_routes(routes, ROUTERS, padding_mask=padding, trajectory_ids=["t0", "t1"])
+    with pytest.raises(
+        RouteReplayError,
+        match=r"'t0' \(batch row 0\), layer 3, token 0: expected 2 distinct experts, got \[0, 0\]",
+    ):
+        validate_routes(routes, ROUTERS, trajectory_ids=["t0", "t1"])
     single = LocalRouters(
         modules=(),
         layers=(0, 1, 2, 3),
@@ -187,9 +262,55 @@ def test_layer_of_all_zeros_is_refused_padding_ignored() -> None:
         chunks=(0, 0, 0, 0),
     )
     ones = _routes()[..., :1]
-    ones[1, :, 0] = 0  # top-1 rows of zeros are each valid; the whole layer is not
-    with pytest.raises(RouteReplayError, match=r"batch row 1, layer 0: .*all zeros"):
+    ones[1, :, 0] = 0  # top-1: every token of trajectory 1 really went to expert 0
+    validate_routes(ones, single)
+    ones[1, 2, 0] = 8  # the id checks still hold in that layer
+    with pytest.raises(RouteReplayError, match=r"batch row 1, layer 0, token 2: expected expert"):
         validate_routes(ones, single)
+
+
+class _FixedRouter(torch.nn.Module):
+    """Returns ``(probs, routing_map)`` as Megatron's router does, with a given map."""
+
+    def __init__(self, routing_map: torch.Tensor) -> None:
+        super().__init__()
+        self.routing_map = routing_map
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.routing_map.float(), self.routing_map
+
+
+def test_a_ragged_dispatch_is_named_not_reshaped() -> None:
+    # 3 positions x 2 rows = 6 tokens, top-2, as a capacity factor would leave them.
+    routing_map = torch.zeros(6, 8, dtype=torch.bool)
+    routing_map[:, 4:6] = True
+    router = _FixedRouter(routing_map)
+    routers = LocalRouters(
+        modules=(router,),
+        layers=(1,),
+        moe_layers=(1,),
+        num_experts=8,
+        top_k=2,
+        replay_enabled=False,
+        chunks=(0,),
+    )
+    capture = DispatchCapture(routers)
+    capture.begin(0, batch=2, seq=3)
+    router(torch.zeros(1))
+    assert capture.got[0][0].tolist() == [[[4, 5]] * 3] * 2
+    capture.begin(1, batch=2, seq=3)
+    routing_map[3, 4] = False  # token 3 dropped by one expert: 11 routes
+    with pytest.raises(
+        RouteReplayError,
+        match=r"MoE layer 0 \(decoder layer 1\), microbatch 1: expected 6 tokens x top-2 = 12 "
+        r"routes, got 11 \(1 of the 6 tokens",
+    ):
+        router(torch.zeros(1))
+    routing_map[0, 1] = True  # 12 routes again, which a reshape would misgroup
+    with pytest.raises(RouteReplayError, match=r"= 12 routes, got 12 \(2 of the 6 tokens"):
+        router(torch.zeros(1))
+    assert list(capture.got) == [0]  # the ragged microbatch left nothing behind
+    capture.close()
 
 
 def test_dense_first_models_take_moe_layers_only_and_name_both_numbers() -> None:
