@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import os
-import random
 import socket
 import tempfile
 from collections.abc import Iterator, Sequence
@@ -37,12 +36,16 @@ from skyrl_train.algorithms import (
 )
 from skyrl_train.config.schema import PPOConfig
 from skyrl_train.dataset.batch import TrainingBatch
-from skyrl_train.errors import CheckpointError, ConfigValidationError
-from skyrl_train.trainer.checkpoint import RESUME_KEY
 from skyrl_train.trainer.data_parallel import ROWS_KEY
 from skyrl_train.trainer.finite import require_finite, require_finite_weights
+from skyrl_train.trainer.rank_state import (
+    RngState,
+    checkpoint_file,
+    load_rank_state,
+    rng_state,
+    save_rank_state,
+)
 from skyrl_train.trainer.weight_sync import WeightSyncer
-from skyrl_train.utils.durable import write_file
 from skyrl_train.workers.megatron.layout import slice_batch
 from skyrl_train.workers.megatron.worker import MegatronPolicyWorker, OptimizerSettings
 
@@ -447,18 +450,17 @@ class PolicyTrainer:
     def save_checkpoint(self, folder: str) -> None:
         """Each rank writes its own shard (its experts, optimizer state and RNGs) into
         the driver's temp folder (``checkpoint.begin_save``), fsynced before returning:
-        the driver's manifest then vouches for bytes already on disk."""
+        the driver's manifest then vouches for bytes already on disk. Plain data only
+        (``rank_state``), so a resume never runs pickled code."""
         assert self.worker.optimizer is not None
         state = {
             "world_size": self.info.world_size,
             "layout": self._layout(),
             "model": self.worker.model.state_dict(),
             "optimizer": self.worker.optimizer.state_dict(),
-            "torch_rng": torch.random.get_rng_state(),
-            "numpy_rng": np.random.get_state(),
-            "python_rng": random.getstate(),
+            "rng": rng_state(),
         }
-        write_file(checkpoint_file(Path(folder), self.info.rank), lambda fh: torch.save(state, fh))
+        save_rank_state(checkpoint_file(Path(folder), self.info.rank), state)
 
     def _layout(self) -> dict[str, int | None]:
         mc = self.cfg.trainer.policy.megatron_config
@@ -470,66 +472,17 @@ class PolicyTrainer:
 
     def load_checkpoint(self, folder: str) -> None:
         """Restore this rank from ``folder``, which the launch verified against its
-        manifest (``checkpoint.verify_resume``) before Ray started."""
+        manifest (``checkpoint.verify_resume``) before Ray started; the rank file is
+        read with ``torch.load(weights_only=True)`` (``rank_state.load_rank_state``)."""
         state = load_rank_state(
             Path(folder),
             rank=self.info.rank,
             world_size=self.info.world_size,
             layout=self._layout(),
         )
+        # Checked before anything is restored: a bad RNG field leaves the model as it was.
+        rng = RngState.read(state, checkpoint_file(Path(folder), self.info.rank))
         assert self.worker.optimizer is not None
         self.worker.model.load_state_dict(state["model"])
         self.worker.optimizer.load_state_dict(state["optimizer"])
-        torch.random.set_rng_state(state["torch_rng"])
-        np.random.set_state(state["numpy_rng"])
-        random.setstate(state["python_rng"])
-
-
-def checkpoint_file(folder: Path, rank: int) -> Path:
-    return folder / f"policy_rank{rank}.pt"
-
-
-def load_rank_state(
-    folder: Path, *, rank: int, world_size: int, layout: dict[str, int | None] | None = None
-) -> dict[str, Any]:
-    """Rank ``rank``'s saved state; refuses a checkpoint taken at another world size
-    (its expert shards and data order would not line up with this run's ranks) or,
-    given this run's ``layout`` (``trainer.policy.megatron_config`` sizes), another
-    pipeline or expert layout (each file holds that layout's layers and experts)."""
-    path = checkpoint_file(folder, rank)
-    if not path.is_file():
-        raise CheckpointError(
-            RESUME_KEY, path, expected="one file per trainer rank", got="no such file"
-        )
-    try:
-        # weights_only=False: the state holds numpy's and Python's RNG states. The
-        # manifest check at launch vouched for these bytes being the ones saved.
-        state = torch.load(path, weights_only=False)
-    except Exception as exc:
-        raise CheckpointError(
-            RESUME_KEY,
-            path,
-            expected="a rank state torch.load can read",
-            got=f"{type(exc).__name__}: {exc}",
-        ) from exc
-    if not isinstance(state, dict):
-        raise CheckpointError(
-            RESUME_KEY, path, expected="a dict of rank state", got=type(state).__name__
-        )
-    saved = state.get("world_size")
-    if saved != world_size:
-        raise ConfigValidationError(
-            "trainer.placement.num_trainers",
-            f"expected the checkpoint's world size {saved} to resume {str(folder)!r}, "
-            f"got {world_size}",
-        )
-    # Files written before layouts were recorded carry none; world size is their check.
-    saved_layout = state.get("layout") or layout or {}
-    for name, value in (layout or {}).items():
-        if saved_layout.get(name) != value:
-            raise ConfigValidationError(
-                f"trainer.policy.megatron_config.{name}",
-                f"expected the checkpoint's {saved_layout.get(name)!r} to resume "
-                f"{str(folder)!r}, got {value!r}",
-            )
-    return state
+        rng.restore()

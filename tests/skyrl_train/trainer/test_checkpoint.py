@@ -31,7 +31,7 @@ from skyrl_train.trainer.checkpoint import (
     verify_resume,
 )
 from skyrl_train.trainer.loop import GRPOLoop
-from skyrl_train.trainer.policy import checkpoint_file, load_rank_state
+from skyrl_train.trainer.rank_state import checkpoint_file, load_rank_state, save_rank_state
 from skyrl_train.utils.durable import write_file
 
 REPO = Path(__file__).resolve().parents[3]
@@ -41,8 +41,8 @@ def _save(root: Path, step: int, *, world_size: int = 1, extra: bytes = b"") -> 
     """A committed checkpoint as the driver writes one: rank files, driver.json."""
     folder = begin_save(root, step=step)
     for rank in range(world_size):
-        state = {"world_size": world_size, "w": torch.arange(64.0) + step, "pad": extra}
-        write_file(checkpoint_file(folder, rank), lambda fh, s=state: torch.save(s, fh))
+        state = {"world_size": world_size, "w": torch.arange(64.0) + step, "pad": extra.decode()}
+        save_rank_state(checkpoint_file(folder, rank), state)
     write_file(folder / DRIVER_FILE, json.dumps({"step": step, "world_size": world_size}).encode())
     return commit_save(folder, step=step)
 
@@ -88,7 +88,7 @@ def test_a_step_saved_again_replaces_the_old_folder_whole(tmp_path: Path) -> Non
     _save(tmp_path, 3)
     _save(tmp_path, 3, extra=b"second")
     assert [p.name for p in tmp_path.iterdir()] == ["step_000003"]
-    assert torch.load(tmp_path / "step_000003" / "policy_rank0.pt")["pad"] == b"second"
+    assert torch.load(tmp_path / "step_000003" / "policy_rank0.pt")["pad"] == "second"
     verify_checkpoint(tmp_path / "step_000003")
 
 
@@ -209,7 +209,7 @@ def test_load_rank_state_refuses_another_pipeline_layout(tmp_path: Path) -> None
         "expert_model_parallel_size": 1,
     }
     state = {"world_size": 2, "layout": layout, "w": torch.zeros(2)}
-    write_file(checkpoint_file(tmp_path, 1), lambda fh: torch.save(state, fh))
+    save_rank_state(checkpoint_file(tmp_path, 1), state)
     assert load_rank_state(tmp_path, rank=1, world_size=2, layout=layout)["layout"] == layout
     other = {**layout, "virtual_pipeline_model_parallel_size": None}
     with pytest.raises(ConfigValidationError) as info:

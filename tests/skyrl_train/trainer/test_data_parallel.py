@@ -16,7 +16,7 @@ from skyrl_train.trainer.data_parallel import (
     mini_batch_token_counts,
     shard_mini_batches,
 )
-from skyrl_train.trainer.policy import checkpoint_file, load_rank_state
+from skyrl_train.trainer.rank_state import checkpoint_file, load_rank_state, save_rank_state
 
 
 def _batch(rows: int, *, seq: int = 6, actions: int = 3, layers: int = 2, k: int = 2):
@@ -134,7 +134,7 @@ def test_combine_refuses_a_rank_without_rows_and_non_finite_values() -> None:
 
 
 def test_checkpoint_of_a_missing_rank_or_other_world_size_is_refused(tmp_path: Path) -> None:
-    torch.save({"world_size": 2, "model": {}}, checkpoint_file(tmp_path, 0))
+    save_rank_state(checkpoint_file(tmp_path, 0), {"world_size": 2, "model": {}})
     assert load_rank_state(tmp_path, rank=0, world_size=2)["world_size"] == 2
     with pytest.raises(CheckpointError, match=r"^trainer.resume_from: .*policy_rank1.pt: expected"):
         load_rank_state(tmp_path, rank=1, world_size=2)
