@@ -58,7 +58,8 @@ Routes
 Every error is ``{"error": {"message", "type", "field"?}}`` with a 4xx/5xx status; a
 request that fails validation names its field (expected, got) and the server keeps
 serving. A missing or wrong Content-Type is a 415; a 405 carries ``Allow``. With an
-``api_key`` every route but ``/health`` needs ``Authorization: Bearer <key>``; a host
+``api_key`` every route but ``/health`` needs ``Authorization: Bearer <key>``, and any
+other value (not UTF-8, control bytes, a header line the parser refuses) is a 401; a host
 other than loopback needs an ``api_key``. Connections: idle ones close after
 ``keepalive_timeout_s``; a request's headers and body must arrive within
 ``request_read_timeout_s`` of its first byte (a slow body gets a 408, slow headers a
@@ -70,6 +71,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hashlib
 import hmac
 import logging
 from collections.abc import Awaitable, Callable
@@ -92,7 +94,13 @@ from inference.server.validation import (
 from inference.server.weight_versions import StagedWeights, engine_policy_version
 from inference.server.weights_upload import receive_weights
 
-__all__ = ["ServerConfig", "ServerCounters", "build_app", "error_response"]
+__all__ = [
+    "ServerConfig",
+    "ServerCounters",
+    "build_app",
+    "error_response",
+    "refuse_malformed_request",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -234,23 +242,46 @@ def _error_middleware(counters: ServerCounters) -> Any:
     return middleware
 
 
+def _unauthorized(got: str) -> RequestValidationError:
+    # ``got`` describes what was wrong, never the header's value: that may be a near-miss
+    # of the key, and error bodies end up in client logs.
+    return RequestValidationError("Authorization", "the header 'Bearer <api key>'", got, status=401)
+
+
+def _digest(header: str) -> bytes:
+    # aiohttp decodes header bytes as UTF-8 with surrogateescape, so a value that is not
+    # UTF-8 holds lone surrogates, which a plain .encode() refuses: that was a 500 and a
+    # logged traceback per request. surrogatepass encodes every str, one to one; hashing
+    # both sides makes the comparison's time independent of the sent value's length too.
+    return hashlib.sha256(header.encode("utf-8", "surrogatepass")).digest()
+
+
 def _auth_middleware(api_key: str | None) -> Any:
-    expected = f"Bearer {api_key}".encode() if api_key else None
+    expected = _digest(f"Bearer {api_key}") if api_key else None
 
     @web.middleware
     async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
         if expected is not None and request.path != HEALTH:
-            given = request.headers.get("Authorization", "").encode()
+            given = _digest(request.headers.get(hdrs.AUTHORIZATION, ""))
             if not hmac.compare_digest(given, expected):
-                raise RequestValidationError(
-                    "Authorization",
-                    "the header 'Bearer <api key>'",
-                    "a missing or wrong token",
-                    status=401,
-                )
+                raise _unauthorized("a missing or wrong token")
         return await handler(request)
 
     return middleware
+
+
+def refuse_malformed_request(parse_error: str, *, needs_token: bool) -> web.Response:
+    """The reply to a request whose head the HTTP parser refused (``parse_error`` names
+    the parser's exception class); such a request reaches no middleware
+    (``inference.server.connections``). A server with an ``api_key`` answers it 401, as it
+    would any request without a valid token: it cannot carry one."""
+    if needs_token:
+        exc = _unauthorized(f"a request head the HTTP parser refused ({parse_error})")
+    else:
+        exc = RequestValidationError(
+            "request", "a well-formed HTTP/1.1 request head", f"one refused ({parse_error})"
+        )
+    return error_response(exc.status, str(exc), type(exc).__name__, field=exc.path)
 
 
 async def read_limited(request: web.Request, limit: int) -> bytes:

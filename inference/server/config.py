@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import ipaddress
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 def is_loopback(host: str) -> bool:
@@ -26,8 +26,9 @@ class ServerConfig:
     and any other host needs an ``api_key``."""
     port: int = 0
     """0 lets the OS pick a free port; the bound URL is reported on start."""
-    api_key: str | None = None
-    """Bearer token for every route but ``/health``; required off loopback."""
+    api_key: str | None = field(default=None, repr=False)
+    """Bearer token for every route but ``/health``; required off loopback. Out of the
+    repr, so a logged or printed config never shows it."""
     max_request_bytes: int = 16 * 1024 * 1024
     """Generate request bodies; at about 7 bytes per token id, 16 MiB holds prompts of
     over 2M tokens, so only abuse hits it. Weight uploads are capped by the model's own

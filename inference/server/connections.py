@@ -10,22 +10,35 @@ listens through ``GuardedTCPSite``, which wraps aiohttp's protocol factory:
 - a request's first byte starts a clock (``RequestClock``); if its headers are not in
   after ``read_timeout_s`` the connection is dropped. Once they are in,
   ``begin_request`` hands the clock to the app, which bounds the body by the same
-  deadline (``read_before``) and answers 408 when it passes.
+  deadline (``read_before``) and answers 408 when it passes;
+- a request head the HTTP parser refuses (a control byte in a header, a header line
+  over 8190 bytes) never reaches the app's middlewares: aiohttp would answer it with a
+  plain-text 400 that echoes the offending line and log that line with a traceback,
+  per request, token attempts included. ``refuse_malformed`` answers it instead, in
+  the app's JSON error shape, and it is logged at DEBUG by exception class only.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable
+import logging
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import orjson
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.web_protocol import RequestHandler
 
 from inference.errors import RequestValidationError
 
 T = TypeVar("T")
+
+logger = logging.getLogger(__name__)
+
+RefuseMalformed = Callable[[str], web.Response]
+"""The reply to a request head the parser refused, given the parse error's class name."""
 
 
 @dataclass(frozen=True)
@@ -61,6 +74,31 @@ class _Refused(asyncio.Protocol):
         assert isinstance(transport, asyncio.Transport)
         transport.write(self._reply)
         transport.close()
+
+
+class _JsonParseErrors(RequestHandler):
+    """aiohttp's per-connection protocol, answering parse errors with ``refuse_malformed``."""
+
+    __slots__ = ("_refuse_malformed",)
+
+    def __init__(self, manager: web.Server, *, refuse_malformed: RefuseMalformed, **kwargs: Any):
+        super().__init__(manager, **kwargs)
+        self._refuse_malformed = refuse_malformed
+
+    def handle_error(
+        self,
+        request: web.BaseRequest,
+        status: int = 500,
+        exc: BaseException | None = None,
+        message: str | None = None,
+    ) -> web.StreamResponse:
+        if status != 400 or not isinstance(exc, HttpProcessingError):  # a handler's 500
+            return super().handle_error(request, status, exc, message)
+        # exc's message quotes the refused line, which may hold a token: not logged.
+        logger.debug("refused a malformed request from %s: %s", request.remote, type(exc).__name__)
+        response = self._refuse_malformed(type(exc).__name__)
+        response.force_close()  # the parser lost the message's framing
+        return response
 
 
 class RequestClock(asyncio.Protocol):
@@ -133,9 +171,16 @@ class ConnectionGuard:
     """The protocol factory: aiohttp's, behind the cap and the header clock."""
 
     def __init__(
-        self, server: web.Server, *, max_connections: int, read_timeout_s: float, retry_after_s: int
+        self,
+        server: web.Server,
+        *,
+        max_connections: int,
+        read_timeout_s: float,
+        retry_after_s: int,
+        refuse_malformed: RefuseMalformed,
     ) -> None:
         self._server = server
+        self._refuse_malformed = refuse_malformed
         self.max_connections = max_connections
         self.read_timeout_s = read_timeout_s
         self._refusal = _canned_503(retry_after_s)
@@ -147,7 +192,15 @@ class ConnectionGuard:
         if self.open_connections >= self.max_connections:
             return _Refused(self._refusal)
         self.open_connections += 1
-        return RequestClock(self._server(), self)
+        # What web.Server() builds, with the runner's protocol options (its _kwargs),
+        # but answering parse errors itself.
+        inner = _JsonParseErrors(
+            self._server,
+            loop=asyncio.get_running_loop(),
+            refuse_malformed=self._refuse_malformed,
+            **self._server._kwargs,
+        )
+        return RequestClock(inner, self)
 
     def release(self) -> None:
         self.open_connections -= 1
@@ -165,6 +218,7 @@ class GuardedTCPSite(web.BaseSite):
         max_connections: int,
         read_timeout_s: float,
         retry_after_s: int,
+        refuse_malformed: RefuseMalformed,
     ) -> None:
         super().__init__(runner)
         self._host = host
@@ -176,6 +230,7 @@ class GuardedTCPSite(web.BaseSite):
             max_connections=max_connections,
             read_timeout_s=read_timeout_s,
             retry_after_s=retry_after_s,
+            refuse_malformed=refuse_malformed,
         )
 
     @property

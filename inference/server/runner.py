@@ -7,6 +7,7 @@ methods are plain calls, so the server gets its own thread and event loop.
 from __future__ import annotations
 
 import asyncio
+import functools
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -14,7 +15,7 @@ from concurrent.futures import Future
 from aiohttp import web
 
 from inference.engine.base import InferenceEngine
-from inference.server.app import ServerConfig, build_app
+from inference.server.app import ServerConfig, build_app, refuse_malformed_request
 from inference.server.connections import ConnectionGuard, GuardedTCPSite
 
 # Long enough for an in-flight CPU batch to finish, short enough not to hang a shutdown.
@@ -58,6 +59,9 @@ async def start_server(engine: InferenceEngine, config: ServerConfig) -> Running
             max_connections=config.max_connections,
             read_timeout_s=config.request_read_timeout_s,
             retry_after_s=config.retry_after_s,
+            refuse_malformed=functools.partial(
+                refuse_malformed_request, needs_token=config.api_key is not None
+            ),
         )
         await site.start()
         host, port = runner.addresses[0][:2]

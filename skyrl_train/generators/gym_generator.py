@@ -23,7 +23,7 @@ from skyrl_train.config.constraints import check_constraints
 from skyrl_train.config.schema import GeneratorConfig, SamplingParamsConfig
 from skyrl_train.config.validate import check_sampling_params
 from skyrl_train.errors import ConfigValidationError, RouteTraceError
-from skyrl_train.generators.base import GeneratorInput, GeneratorOutput
+from skyrl_train.generators.base import GeneratorInput, GeneratorOutput, reported_solved
 from skyrl_train.generators.rendering import ChatTemplateRenderer, ObservationRenderer
 from skyrl_train.generators.traces import RoutedExpertTrace
 
@@ -274,7 +274,6 @@ class GymGenerator:
             token_rewards.append(row)
         with_logprobs = all(t.logprobs is not None for t in trajs)
         routes = [t.routes for t in trajs] if self.return_routed_experts else None
-        reported = any(t.solved is not None for t in trajs)
         spans = [_version_span(t.versions) for t in trajs]
         return GeneratorOutput(
             prompt_token_ids=[t.prompt_ids for t in trajs],
@@ -286,7 +285,7 @@ class GymGenerator:
             rollout_metrics=_metrics(trajs, wall_s=wall_s),
             rollout_logprobs=[t.logprobs for t in trajs] if with_logprobs else None,  # type: ignore[misc]
             routed_experts=routes,  # type: ignore[arg-type]
-            solved=[t.solved for t in trajs] if reported else None,
+            solved=reported_solved([t.solved for t in trajs]),
             policy_versions=None if None in spans else spans,  # type: ignore[arg-type]
         )
 
