@@ -55,6 +55,7 @@ IGNORE = shutil.ignore_patterns(
 T_NDARRAY = "tests/inference/wire/test_wire_ndarray.py"
 T_FIELDS = "tests/inference/wire/test_wire_fields.py"
 T_BODY = "tests/inference/wire/test_wire_body.py"
+T_BODY_ORDER = "tests/inference/wire/test_wire_body_order.py"
 T_RESPONSE = "tests/inference/wire/test_wire_response.py"
 T_TRACES = "tests/skyrl_train/generators/test_traces.py"
 T_COLLATE = "tests/skyrl_train/dataset/test_collate_routes.py"
@@ -134,6 +135,23 @@ MUTANTS: tuple[Mutant, ...] = (
         "prev = pos = end + 1\n",
         (T_BODY,),
         "the remainder resumes one byte after the blob's closing quote",
+    ),
+    Mutant(
+        "wire-restore-registry-order",
+        WIRE_BODY,
+        "in_order = in_order and index == len(found)",
+        "in_order = in_order and index is not None",
+        (T_BODY_ORDER,),
+        "blobs are restored in registry order: a choice with its support before its routes "
+        "gets them swapped",
+    ),
+    Mutant(
+        "wire-empty-blob-end",
+        WIRE_BODY,
+        "end = find(b'\"', start)",
+        "end = find(b'\"', start + 1)",
+        (T_BODY_ORDER,),
+        "the closing quote is searched one byte late: an empty data string runs on",
     ),
     Mutant(
         "wire-restore-count",
