@@ -5,7 +5,6 @@ refused before Ray starts and leaves the first run's files byte for byte."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import subprocess
@@ -21,6 +20,7 @@ from skyrl_train.trainer.checkpoint import DRIVER_FILE, begin_save, commit_save
 from skyrl_train.trainer.run_folder import run_artefacts
 from skyrl_train.utils.durable import write_file
 from skyrl_train.utils.tracking import read_metrics
+from tests.folder_snapshot import snapshot
 
 REPO = Path(__file__).resolve().parents[3]
 TINY_RUN = [
@@ -48,16 +48,6 @@ def _launch(*args: str, cwd: Path, timeout: int) -> subprocess.CompletedProcess[
     )
 
 
-def _snapshot(folder: Path) -> dict[str, str]:
-    """Every entry under ``folder``: a file's SHA-256, or "dir"."""
-    return {
-        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
-        if p.is_file()
-        else "dir"
-        for p in sorted(folder.rglob("*"))
-    }
-
-
 def _no_ray(monkeypatch: pytest.MonkeyPatch) -> None:
     import ray
 
@@ -78,7 +68,7 @@ def test_a_launch_refused_for_its_run_dir_changes_nothing_and_starts_no_ray(
     write_file(folder / "policy_rank0.pt", b"first run's weights")
     write_file(folder / DRIVER_FILE, json.dumps({"step": 10, "world_size": 1}).encode())
     commit_save(folder, step=10)
-    before = _snapshot(run_dir)
+    before = snapshot(run_dir)
     with (
         pytest.raises(ConfigValidationError) as info,
         launch(load_config([f"trainer.run_dir={run_dir}"])),
@@ -87,7 +77,7 @@ def test_a_launch_refused_for_its_run_dir_changes_nothing_and_starts_no_ray(
     assert info.value.path == "trainer.run_dir"
     assert "checkpoints/step_000010 (" in info.value.reason
     assert "tensorboard (" in info.value.reason
-    assert _snapshot(run_dir) == before  # no run.json, no main_base.log
+    assert snapshot(run_dir) == before  # no run.json, no main_base.log
 
     # latest, in a folder a run wrote without saving a checkpoint: refused too.
     started = tmp_path / "started"
@@ -153,11 +143,11 @@ def test_a_second_fresh_launch_into_a_tensorboard_run_is_refused_before_ray(
     # Every entry the run left is one the guard knows (trainer.run_folder.RUN_ARTEFACTS).
     known = {path.relative_to(run_dir).parts[0] for path, _ in run_artefacts(run_dir)}
     assert known == {p.name for p in run_dir.iterdir()}
-    before = _snapshot(run_dir)
+    before = snapshot(run_dir)
 
     second = _launch(*args, cwd=tmp_path, timeout=300)
     assert second.returncode != 0
     assert "trainer.run_dir: expected a folder no other run has written to" in second.stderr
     assert "checkpoints/step_000001 (" in second.stderr and "tensorboard (" in second.stderr
     assert "Started a local Ray instance" not in second.stdout + second.stderr
-    assert _snapshot(run_dir) == before
+    assert snapshot(run_dir) == before

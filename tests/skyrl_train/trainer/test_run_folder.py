@@ -5,7 +5,6 @@ resuming below later checkpoints needs ``trainer.overwrite_later_checkpoints``, 
 from __future__ import annotations
 
 import fnmatch
-import hashlib
 import json
 import logging
 from collections.abc import Callable
@@ -26,6 +25,7 @@ from skyrl_train.trainer.run_folder import (
     started_from,
 )
 from skyrl_train.utils.durable import write_file
+from tests.folder_snapshot import snapshot
 
 
 def _save(root: Path, step: int, *, world_size: int = 1) -> Path:
@@ -35,16 +35,6 @@ def _save(root: Path, step: int, *, world_size: int = 1) -> Path:
         write_file(folder / f"policy_rank{rank}.pt", f"weights of step {step}".encode() * 64)
     write_file(folder / DRIVER_FILE, json.dumps({"step": step, "world_size": world_size}).encode())
     return commit_save(folder, step=step)
-
-
-def _snapshot(folder: Path) -> dict[str, str]:
-    """Every entry under ``folder``: a file's SHA-256, or "dir"."""
-    return {
-        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
-        if p.is_file()
-        else "dir"
-        for p in sorted(folder.rglob("*"))
-    }
 
 
 def _cfg(run_dir: Path, *overrides: str):  # type: ignore[no-untyped-def]
@@ -92,12 +82,12 @@ def test_any_one_run_artefact_refuses_a_fresh_launch_and_is_named(
     run_dir.mkdir()
     validate_cfg(_cfg(run_dir))  # empty: a fresh launch may use it
     ARTEFACTS[name](run_dir)
-    before = _snapshot(run_dir)
+    before = snapshot(run_dir)
     err = _refused(run_dir)
     assert err.path == "trainer.run_dir"
     assert f"holds {name} (" in err.reason
     assert "new trainer.run_dir" in err.reason and "trainer.resume_from=latest" in err.reason
-    assert _snapshot(run_dir) == before
+    assert snapshot(run_dir) == before
 
 
 def test_a_refusal_names_a_few_artefacts_and_counts_the_rest(tmp_path: Path) -> None:
@@ -128,12 +118,12 @@ def test_a_sweep_job_folder_is_fresh_beside_its_finished_siblings(tmp_path: Path
 def test_resume_below_a_later_checkpoint_needs_the_explicit_key(tmp_path: Path) -> None:
     root = tmp_path / "checkpoints"
     step2, step4 = _save(root, 2), _save(root, 4)
-    before = _snapshot(tmp_path)
+    before = snapshot(tmp_path)
     err = _refused(tmp_path, f"trainer.resume_from={step2}")
     assert err.path == "trainer.overwrite_later_checkpoints"
     assert "step_000004" in err.reason and "from step 2" in err.reason
     assert err.reason.endswith("got false")
-    assert _snapshot(tmp_path) == before  # step 4 intact
+    assert snapshot(tmp_path) == before  # step 4 intact
     validate_cfg(
         _cfg(tmp_path, f"trainer.resume_from={step2}", "trainer.overwrite_later_checkpoints=true")
     )
@@ -156,7 +146,7 @@ def test_latest_picks_the_newest_checkpoint_that_verifies_naming_each_skipped(
     broken = _save(root, 6)
     (broken / MANIFEST_FILE).write_text("{")
     (root / "step_000008.tmp-0badc0de").mkdir()  # an unfinished save is never a candidate
-    before = _snapshot(tmp_path)
+    before = snapshot(tmp_path)
     cfg = _cfg(tmp_path, "trainer.resume_from=latest")
     validate_cfg(cfg)
     with caplog.at_level(logging.WARNING, logger="skyrl_train.trainer.run_folder"):
@@ -165,7 +155,7 @@ def test_latest_picks_the_newest_checkpoint_that_verifies_naming_each_skipped(
     assert cfg.trainer.resume_from == "latest"  # the caller's config is not changed
     (warning,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert f"skipping {broken}: " in warning and "invalid JSON" in warning
-    assert _snapshot(tmp_path) == before
+    assert snapshot(tmp_path) == before
     validate_cfg(resolved)  # the resolved config passes the same checks
 
 
@@ -211,14 +201,14 @@ def test_latest_with_only_damaged_checkpoints_names_each_and_why(tmp_path: Path)
     root = tmp_path / "checkpoints"
     (_save(root, 2) / DRIVER_FILE).write_bytes(b"")
     (_save(root, 3) / "policy_rank0.pt").write_bytes(b"truncated")
-    before = _snapshot(tmp_path)
+    before = snapshot(tmp_path)
     with pytest.raises(ConfigValidationError) as info:
         resolve_resume(_cfg(tmp_path, "trainer.resume_from=latest"))
     reason = info.value.reason
     assert info.value.path == "trainer.resume_from"
     assert "step_000003: " in reason and "policy_rank0.pt: expected" in reason
     assert "step_000002: " in reason and "driver.json: expected" in reason
-    assert _snapshot(tmp_path) == before
+    assert snapshot(tmp_path) == before
 
 
 def test_latest_checks_the_world_size_it_resolved(tmp_path: Path) -> None:
