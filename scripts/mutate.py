@@ -131,8 +131,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "wire-blob-end-off-by-one",
         WIRE_BODY,
-        "prev = pos = end\n",
-        "prev = pos = end + 1\n",
+        "prev = end\n",
+        "prev = end + 1\n",
         (T_BODY,),
         "the remainder resumes one byte after the blob's closing quote",
     ),

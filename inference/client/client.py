@@ -19,53 +19,43 @@ runs only when the request asked for a packed side channel.
 from __future__ import annotations
 
 import asyncio
-import random
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, is_dataclass
-from typing import Any, TypeVar
+from collections.abc import Mapping, Sequence
+from typing import Any
 
-import aiohttp
 import numpy as np
 import orjson
-import yarl
 
+from inference.client.http import HTTPClientBase
 from inference.client.limits import (
     SERVER_DEFAULT_MAX_TOKENS,
     SMALL_REPLY_BYTES,
     SUPPORT_K_BOUND,
     RouteShape,
     generate_reply_cap,
-    read_capped,
 )
-from inference.client.replies import loads_or_retry, status_error
+from inference.client.replies import loads_or_retry
 from inference.client.results import (
-    GenerateRequest,
     GenerateResult,
     parse_choice,
     reply_policy_version,
     single_choice,
 )
-from inference.client.retry import RetryPolicy, call_with_retry
+from inference.client.retry import RetryPolicy
+from inference.client.sampling import positive_int, sampling_dict
 from inference.client.side_channels import (
     as_protocol_error,
     decode_packed_choice,
     decode_side_channels,
 )
-from inference.errors import (
-    GenerateProtocolError,
-    GenerateTransportError,
-    WireError,
-)
+from inference.errors import GenerateProtocolError, WireError
 from inference.wire import load_packed_body
-
-T = TypeVar("T")
 
 GENERATE_PATH = "/skyrl/v1/generate"
 UPDATE_WEIGHTS_PATH = "/skyrl/v1/update_weights"
 HEALTH_PATH = "/health"
 
 
-class RemoteGenerateClient:
+class RemoteGenerateClient(HTTPClientBase):
     """Async client of one inference server. Use as ``async with`` or call ``close()``.
 
     ``api_key`` is sent as a bearer token; ``model`` (optional) is sent with every
@@ -80,6 +70,9 @@ class RemoteGenerateClient:
     ``/health`` lookup), e.g. for a server whose default support k exceeds 64.
     """
 
+    supports_packed_body = True
+    """Token ids and logprobs can come back as envelopes (``return_packed_body``)."""
+
     def __init__(
         self,
         base_url: str,
@@ -92,12 +85,7 @@ class RemoteGenerateClient:
         max_reply_bytes: int | None = None,
         route_shape: RouteShape | None = None,
     ) -> None:
-        url = yarl.URL(base_url)
-        if url.scheme not in ("http", "https") or not url.host:
-            raise ValueError(f"base_url: expected an http(s)://host[:port] URL, got {base_url!r}")
-        if max_connections < 1:
-            raise ValueError(f"max_connections: expected an int >= 1, got {max_connections!r}")
-        if max_reply_bytes is not None and _positive_int(max_reply_bytes) is None:
+        if max_reply_bytes is not None and positive_int(max_reply_bytes) is None:
             raise ValueError(
                 f"max_reply_bytes: expected None or an int >= 1, got {max_reply_bytes!r}"
             )
@@ -105,43 +93,13 @@ class RemoteGenerateClient:
             raise TypeError(
                 f"route_shape: expected a RouteShape or None, got {type(route_shape).__name__}"
             )
-        self.base_url = str(url).rstrip("/")
-        if retry is None:
-            retry = RetryPolicy()
-        elif isinstance(retry, Mapping):  # e.g. a config section: RetryPolicy checks it
-            retry = RetryPolicy(**retry)
-        elif not isinstance(retry, RetryPolicy):
-            raise TypeError(
-                f"retry: expected a RetryPolicy or a mapping, got {type(retry).__name__}"
-            )
-        self.retry = retry
-        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        super().__init__(
+            base_url, retry=retry, api_key=api_key, max_connections=max_connections, seed=seed
+        )
         self._model = model
-        self._max_connections = max_connections
-        self._rng = random.Random(seed)
-        self._session: aiohttp.ClientSession | None = None
         self.max_reply_bytes = max_reply_bytes
         self.route_shape = route_shape
         self._route_shape_lock = asyncio.Lock()
-
-    async def __aenter__(self) -> RemoteGenerateClient:
-        self._ensure_session()
-        return self
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        await self.close()
-
-    async def close(self) -> None:
-        """Close the HTTP session and its connections; the client may be reopened."""
-        session, self._session = self._session, None
-        if session is not None:
-            await session.close()
-
-    def _ensure_session(self) -> aiohttp.ClientSession:
-        if self._session is None or self._session.closed:
-            connector = aiohttp.TCPConnector(limit=self._max_connections)
-            self._session = aiohttp.ClientSession(connector=connector, headers=self._headers)
-        return self._session
 
     async def generate(
         self,
@@ -162,7 +120,7 @@ class RemoteGenerateClient:
         ``return_packed_body``: token ids and logprobs come back as envelopes too
         (huge responses then parse without per-token JSON objects).
         """
-        params = _sampling_dict(sampling_params)
+        params = sampling_dict(sampling_params)
         if routed_experts_prompt_start is not None:
             if "routed_experts_prompt_start" in params:
                 raise ValueError(
@@ -209,10 +167,10 @@ class RemoteGenerateClient:
             # A max_tokens or k the server refuses gets a small 400: any bound will do.
             support = payload.get("return_sample_support")
             cap = generate_reply_cap(
-                max_tokens=_positive_int(params.get("max_tokens")) or SERVER_DEFAULT_MAX_TOKENS,
+                max_tokens=positive_int(params.get("max_tokens")) or SERVER_DEFAULT_MAX_TOKENS,
                 prompt_route_rows=route_rows or 0,
                 route_shape=await self._route_shape() if return_routed_experts else None,
-                support_k=SUPPORT_K_BOUND if support is True else _positive_int(support) or 0,
+                support_k=SUPPORT_K_BOUND if support is True else positive_int(support) or 0,
             )
         return await self._post(
             GENERATE_PATH, body, parse, content_type="application/json", max_reply_bytes=cap
@@ -224,48 +182,6 @@ class RemoteGenerateClient:
             if self.route_shape is None:
                 self.route_shape = RouteShape.from_health(await self.health())
         return self.route_shape
-
-    async def generate_batch(
-        self, requests: Sequence[GenerateRequest], *, max_concurrency: int = 16
-    ) -> list[GenerateResult]:
-        """Run ``requests`` with at most ``max_concurrency`` in flight; results in order.
-
-        The first failure cancels the requests still pending and is raised.
-        """
-        if isinstance(max_concurrency, bool) or max_concurrency < 1:
-            raise ValueError(f"max_concurrency: expected an int >= 1, got {max_concurrency!r}")
-        gate = asyncio.Semaphore(max_concurrency)
-        failed = False
-
-        async def one(request: GenerateRequest) -> GenerateResult | None:
-            nonlocal failed
-            async with gate:
-                # A waiter woken by the failing request's release must not send: the
-                # batch is already lost and gather cancels the rest a moment later.
-                if failed:
-                    return None
-                try:
-                    return await self.generate(
-                        prompt_token_ids=request.prompt_token_ids,
-                        sampling_params=request.sampling_params,
-                        return_routed_experts=request.return_routed_experts,
-                        routed_experts_prompt_start=request.routed_experts_prompt_start,
-                        return_sample_support=request.return_sample_support,
-                        session_id=request.session_id,
-                        return_packed_body=request.return_packed_body,
-                    )
-                except BaseException:
-                    failed = True
-                    raise
-
-        tasks = [asyncio.ensure_future(one(r)) for r in requests]
-        try:
-            results = await asyncio.gather(*tasks)
-            return [r for r in results if r is not None]
-        finally:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
 
     async def update_weights(
         self,
@@ -324,81 +240,6 @@ class RemoteGenerateClient:
         return await self._request(
             "GET", HEALTH_PATH, None, parse, content_type=None, max_reply_bytes=SMALL_REPLY_BYTES
         )
-
-    async def _post(
-        self,
-        path: str,
-        body: bytes,
-        parse: Callable[[bytes], T],
-        *,
-        content_type: str,
-        max_reply_bytes: int,
-        headers: Mapping[str, str] | None = None,
-    ) -> T:
-        return await self._request(
-            "POST",
-            path,
-            body,
-            parse,
-            content_type=content_type,
-            max_reply_bytes=max_reply_bytes,
-            headers=headers,
-        )
-
-    async def _request(
-        self,
-        method: str,
-        path: str,
-        body: bytes | None,
-        parse: Callable[[bytes], T],
-        *,
-        content_type: str | None,
-        max_reply_bytes: int,
-        headers: Mapping[str, str] | None = None,
-    ) -> T:
-        session = self._ensure_session()
-        url = self.base_url + path
-        sent = dict(headers or {})
-        if content_type:
-            sent["Content-Type"] = content_type
-        what = f"{method} {url}"
-
-        async def attempt(timeout_s: float) -> T:
-            timeout = aiohttp.ClientTimeout(total=timeout_s)
-            try:
-                async with session.request(
-                    method, url, data=body, headers=sent or None, timeout=timeout
-                ) as response:
-                    raw = await read_capped(response, max_reply_bytes)
-                    status = response.status
-                    retry_after = response.headers.get("Retry-After")
-            except asyncio.TimeoutError as exc:
-                raise GenerateTransportError(
-                    f"{what}: no complete reply within the attempt timeout of {timeout_s:.3g} s"
-                ) from exc
-            except aiohttp.ClientError as exc:
-                raise GenerateTransportError(f"{what}: {type(exc).__name__}: {exc}") from exc
-            if status >= 400:
-                raise status_error(status, raw, retry_after)
-            return parse(raw)
-
-        return await call_with_retry(attempt, self.retry, what=what, rng=self._rng)
-
-
-def _positive_int(value: Any) -> int | None:
-    return value if type(value) is int and value > 0 else None
-
-
-def _sampling_dict(sampling_params: Any) -> dict[str, Any]:
-    if is_dataclass(sampling_params) and not isinstance(sampling_params, type):
-        params = asdict(sampling_params)
-        params["stop_token_ids"] = list(params.get("stop_token_ids", ()))
-        return params
-    if isinstance(sampling_params, Mapping):
-        return dict(sampling_params)
-    raise TypeError(
-        f"sampling_params: expected a mapping or SamplingParams, got {type(sampling_params).__name__}"
-    )
 
 
 def _parse_generate_reply(

@@ -133,14 +133,16 @@ def generate_reply_cap(
     prompt_route_rows: int = 0,
     route_shape: RouteShape | None = None,
     support_k: int = 0,
+    token_json_bytes: int = TOKEN_JSON_BYTES,
 ) -> int:
     """The byte cap of one generate reply (formula in the module docstring).
 
     ``prompt_route_rows`` is P - s - 1 (route rows besides one per new token);
     ``route_shape`` is given only when routes were requested, ``support_k`` > 0 only
-    when sample support was.
+    when sample support was; ``token_json_bytes`` bounds one token's JSON in the
+    server's reply format (another server's format may need more than ours).
     """
-    cap = REPLY_SLACK_BYTES + max_tokens * TOKEN_JSON_BYTES
+    cap = REPLY_SLACK_BYTES + max_tokens * token_json_bytes
     if route_shape is not None:
         rows = max(0, prompt_route_rows) + max_tokens
         cap += _base64_len(rows * route_shape.row_bytes)

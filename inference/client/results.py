@@ -29,13 +29,23 @@ class GenerateRequest:
     return_packed_body: bool = False
 
 
+@dataclass(frozen=True)
+class VersionSpan:
+    """Output tokens ``[start, end)`` of a reply were generated under ``policy_version``."""
+
+    policy_version: int
+    start: int
+    end: int
+
+
 @dataclass
 class GenerateResult:
     """One prompt's completion.
 
     ``routed_experts`` is present only when requested: ``[P - s + G - 1, layers, topk]``
-    integer expert ids (dtype as sent, uint8/int16/int32), row i the routing of prompt
-    token s + i when it was fed. ``sample_support_ids`` / ``sample_support_logprobs``
+    integer expert ids (uint8/int16/int32: as sent by our server; a vLLM reply's
+    uint16/int32 narrowed to the canonical dtype), row i the routing of prompt token
+    s + i when it was fed. ``sample_support_ids`` / ``sample_support_logprobs``
     are present only when requested: ``[G, k]`` int32 candidate ids (trailing -1
     padding) and their float32 logprobs.
     """
@@ -52,7 +62,21 @@ class GenerateResult:
     """How many of this reply's logprobs the server clamped to -9999.0."""
     policy_version: int | None = None
     """The server's policy version when it generated this reply; None when the reply
-    has no ``policy_version`` (a server from before versions)."""
+    has no ``policy_version`` (a server from before versions). A reply whose tokens
+    span a weight push (vLLM keeps in-flight requests across one) reports its oldest
+    version here and all of them in ``policy_version_spans``."""
+    policy_version_spans: list[VersionSpan] | None = None
+    """Per-token versions as contiguous spans over ``response_ids``, one span per
+    version, in order; None when the server reports one version for the whole reply
+    (the builtin server: one batch runs under one version)."""
+
+    @property
+    def policy_versions(self) -> tuple[int, ...] | None:
+        """Every policy version this reply's tokens came from, oldest first (two or
+        more when it spans a push); None when the server reported none."""
+        if self.policy_version_spans:
+            return tuple(sorted({span.policy_version for span in self.policy_version_spans}))
+        return None if self.policy_version is None else (self.policy_version,)
 
 
 def _fail(path: str, expected: str, got: Any) -> GenerateProtocolError:

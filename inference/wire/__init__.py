@@ -5,6 +5,9 @@ Arrays travel inside the JSON response as envelopes
 first, so a client can splice the base64 out of the raw bytes without ever building
 a huge Python ``str`` (:func:`load_packed_body`).
 
+vLLM's replies carry routes in another form, a JSON string of base64 ``.npy`` bytes
+(:class:`NpyField`, :func:`decode_npy_field`); the same scan splices both forms.
+
 Every error here is an :class:`inference.errors.WireError` (a ``ValueError``) whose
 message names the JSON path, what was expected and what arrived; a non-array or
 non-mapping argument is a ``TypeError``.
@@ -26,6 +29,7 @@ from inference.wire.fields import (
     route_dtype_for,
 )
 from inference.wire.ndarray import PackedArrayKey, pack_ndarray, unpack_ndarray
+from inference.wire.npy import NpyField, decode_npy_field
 from inference.wire.response import (
     LOGPROB_FLOOR,
     ClampedLogprobs,
@@ -39,10 +43,12 @@ __all__ = [
     "ROUTE_DTYPES",
     "ClampedLogprobs",
     "FieldSpec",
+    "NpyField",
     "PackedArrayKey",
     "PackedField",
     "WireError",
     "clamp_logprobs",
+    "decode_npy_field",
     "decode_packed_field",
     "decode_packed_fields",
     "decode_packed_routed_experts",

@@ -23,6 +23,14 @@ parsing the 7 MiB remainder takes 88 ms, at its floor. How:
    Errors, all :class:`WireError`: an unterminated blob, a remainder orjson
    rejects, an unspliced value at ``choices[i].<key>`` (e.g. keys reordered), a
    blob that found no envelope (a duplicate key dropped it).
+
+Fields in the ``.npy`` string form (:class:`~inference.wire.npy.NpyField`, vLLM's
+``"routed_experts": "<base64 .npy>"``) ride the same scan with one more needle,
+``"<key>"``: a hit counts when its opening quote is structural, it follows ``{`` or
+``,`` (it is a key) and ``:`` then ``"`` come next (its value is a string). The string
+is cut like an envelope's data, and the restored value is the memoryview itself. Each
+needle's ``bytes.find`` reads the body once, so a body scanned for one form only
+(either client) costs what it did before.
 """
 
 from __future__ import annotations
@@ -37,8 +45,10 @@ import orjson
 
 from inference.errors import WireError
 from inference.wire.fields import PackedField, as_fields
+from inference.wire.npy import NpyField
 
 DEFAULT_FIELDS: Final[tuple[PackedField, ...]] = tuple(PackedField)
+"""Every envelope field of the registry (our server's replies)."""
 
 _WS: Final = frozenset(b" \t\n\r")
 _QUOTE: Final = 0x22
@@ -50,6 +60,11 @@ _DATA: Final = b'"data'
 # After `"data`: closing quote, optional whitespace, colon, optional whitespace,
 # opening quote.
 _AFTER_DATA: Final = re.compile(rb'"[ \t\n\r]*:[ \t\n\r]*"')
+# After an .npy-form needle `"<key>"`: optional whitespace, colon, optional
+# whitespace, the opening quote of a string value.
+_AFTER_KEY: Final = re.compile(rb'[ \t\n\r]*:[ \t\n\r]*"')
+_ENVELOPE: Final = "envelope"
+_NPY: Final = "npy"
 
 
 def _skip_ws_back(buf: bytes | bytearray, i: int) -> int:
@@ -103,53 +118,92 @@ def _as_bytes(raw: bytes | bytearray | memoryview) -> bytes | bytearray:
 
 
 class _Splice:
-    """The blobs cut out of one body: key, byte span and the marker left behind."""
+    """The blobs cut out of one body: key, form, byte span and the marker left behind."""
 
     def __init__(self) -> None:
         self.nonce = "~r3:" + os.urandom(8).hex() + ":"
         self.keys: list[str] = []
+        self.forms: list[str] = []
         self.spans: list[tuple[int, int]] = []
         self._index: dict[str, int] = {}
 
-    def add(self, key: str, start: int, end: int) -> bytes:
+    def add(self, key: str, form: str, start: int, end: int) -> bytes:
         marker = f"{self.nonce}{len(self.spans)}"
         self._index[marker] = len(self.spans)
         self.keys.append(key)
+        self.forms.append(form)
         self.spans.append((start, end))
         return marker.encode()
 
-    def index_of(self, data: Any) -> int | None:
-        return self._index.get(data) if type(data) is str else None
+    def index_of(self, data: Any, form: str) -> int | None:
+        index = self._index.get(data) if type(data) is str else None
+        return index if index is not None and self.forms[index] == form else None
 
 
-def _scan(buf: bytes | bytearray, keys: tuple[bytes, ...]) -> tuple[_Splice, bytes | bytearray]:
-    """Step 1: find registered blobs; return them and the remainder with markers."""
+def _npy_value_start(buf: bytes | bytearray, hit: int, needle_len: int) -> int | None:
+    """Where the string value of the ``"<key>"`` at ``hit`` starts, if it is an
+    .npy-form hit: a structural quote, in key position, with a string value."""
+    if not _unescaped(buf, hit):
+        return None
+    before = _skip_ws_back(buf, hit - 1)
+    if before < 0 or buf[before] not in b"{,":
+        return None
+    after = _AFTER_KEY.match(buf, hit + needle_len)
+    return None if after is None else after.end()
+
+
+def _scan(
+    buf: bytes | bytearray, keys: tuple[bytes, ...], npy_keys: tuple[bytes, ...]
+) -> tuple[_Splice, bytes | bytearray]:
+    """Step 1: find registered blobs; return them and the remainder with markers.
+
+    One needle per form: `"data` for envelopes (the key is checked backwards from it),
+    `"<key>"` per .npy-form key. Hits are taken in document order; each needle's next
+    hit is cached and looked up again only once the scan has passed it, so every
+    byte is read once per needle.
+    """
     splice = _Splice()
     # memoryview slices: the join below is then the remainder's only copy.
     view = memoryview(buf)
     pieces: list[bytes | memoryview] = []
-    prev = pos = 0
     find = buf.find
+    needles = ([_DATA] if keys else []) + [b'"' + k + b'"' for k in npy_keys]
+    nexts = [find(n, 0) for n in needles]
+    prev = 0
     while True:
-        hit = find(_DATA, pos)
-        if hit < 0:
+        best = -1
+        for j, hit in enumerate(nexts):
+            if hit >= 0 and (best < 0 or hit < nexts[best]):
+                best = j
+        if best < 0:
             break
-        after = _AFTER_DATA.match(buf, hit + len(_DATA))
-        if after is None:
-            pos = hit + len(_DATA)
+        hit, needle = nexts[best], needles[best]
+        name, form, start = "", _ENVELOPE, -1
+        if needle is _DATA:
+            after = _AFTER_DATA.match(buf, hit + len(_DATA))
+            key = None if after is None else _registered_key_before(buf, hit, keys)
+            if after is not None and key is not None:
+                name, start = key.decode(), after.end()
+            # else: an unregistered envelope or a lookalike, left to orjson
+        else:
+            value = _npy_value_start(buf, hit, len(needle))
+            if value is not None:
+                name, form, start = needle[1:-1].decode(), _NPY, value
+        if start < 0:
+            nexts[best] = find(needle, hit + 1)
             continue
-        start = after.end()
-        key = _registered_key_before(buf, hit, keys)
-        if key is None:  # an unregistered envelope or a lookalike: left to orjson
-            pos = start
-            continue
+        # The blob runs to the next quote: base64 has no quotes or backslashes.
         end = find(b'"', start)
-        name = key.decode()
         if end < 0:
-            raise WireError(f"$..{name}.data", "a closing quote", f"unterminated from byte {start}")
+            where = f"$..{name}.data" if form == _ENVELOPE else f"$..{name}"
+            raise WireError(where, "a closing quote", f"unterminated from byte {start}")
         pieces.append(view[prev:start])
-        pieces.append(splice.add(name, start, end))
-        prev = pos = end
+        pieces.append(splice.add(name, form, start, end))
+        prev = end
+        # Every needle resumes after the blob, so each blob byte is read once per needle.
+        for j, cached in enumerate(nexts):
+            if 0 <= cached < end:
+                nexts[j] = find(needles[j], end)
     if not splice.spans:
         return splice, buf
     pieces.append(view[prev:])
@@ -177,88 +231,133 @@ def _loads(remainder: bytes | bytearray) -> Any:
             gc.enable()
 
 
-def _check_choices(doc: Any, splice: _Splice, keys: tuple[str, ...]) -> list[dict[str, Any]] | None:
+Slot = tuple[dict[str, Any], str]
+"""Where a blob's memoryview goes back: (object, key) — an envelope and "data", or a
+choice and an .npy-form field's key."""
+
+
+def _slot_of(
+    holder: dict[str, Any], key: str, value: Any, splice: _Splice, forms: dict[str, set[str]]
+) -> tuple[int, Slot] | None:
+    """The blob spliced out of ``holder[key]`` (``value``) and its slot, if any."""
+    key_forms = forms.get(key, set())
+    if _ENVELOPE in key_forms and type(value) is dict:
+        index = splice.index_of(value.get("data"), _ENVELOPE)
+        if index is not None:
+            return index, (value, "data")
+    if _NPY in key_forms and type(value) is str:
+        index = splice.index_of(value, _NPY)
+        if index is not None:
+            return index, (holder, key)
+    return None
+
+
+def _expected(key_forms: set[str]) -> str:
+    names = []
+    if _ENVELOPE in key_forms:
+        names.append('a packed envelope whose first key is "data"')
+    if _NPY in key_forms:
+        names.append("a base64 .npy string")
+    return ", ".join(names) + ", or null"
+
+
+def _check_choices(doc: Any, splice: _Splice, forms: dict[str, set[str]]) -> list[Slot] | None:
     """Check ``choices[i].<key>`` (where clients read packed fields): each is absent,
-    null or a spliced envelope, else a WireError naming the path. Returns those
-    envelopes when they hold every blob in document order (the usual layout, no walk
-    needed), else None."""
+    null or a spliced value of a registered form, else a WireError naming the path.
+    Returns their slots when they hold every blob in document order (the usual
+    layout, no walk needed), else None."""
     if type(doc) is not dict or type(doc.get("choices")) is not list:
         return None
-    found: list[dict[str, Any]] = []
+    found: list[Slot] = []
     in_order = True
     for i, choice in enumerate(doc["choices"]):
         if type(choice) is not dict:
             in_order = False
             continue
-        for key in keys:
+        for key, key_forms in forms.items():
             value = choice.get(key)
             if value is None:
                 continue
-            index = splice.index_of(value.get("data")) if type(value) is dict else None
-            if index is None:
+            spliced = _slot_of(choice, key, value, splice, forms)
+            if spliced is None:
                 raise WireError(
                     f"$.choices[{i}].{key}",
-                    'a packed envelope whose first key is "data", or null',
+                    _expected(key_forms),
                     list(value)[:4] if type(value) is dict else value,
                 )
+            index, slot = spliced
             in_order = in_order and index == len(found)
-            found.append(value)
+            found.append(slot)
     return found if in_order and len(found) == len(splice.spans) else None
 
 
-def _restore_walk(doc: Any, splice: _Splice, keys: frozenset[str]) -> list[dict[str, Any]]:
+def _restore_walk(doc: Any, splice: _Splice, forms: dict[str, set[str]]) -> list[Slot]:
     """Generic walk (30 ms on the lean body): find every marker wherever it sits.
 
     A registered key outside ``choices[i]`` that holds something other than a
-    spliced envelope (an escaped key spelling, a reordered envelope) is returned
+    spliced value (an escaped key spelling, a reordered envelope) is returned
     exactly as orjson parsed it: nothing was cut from it, so nothing is mis-parsed.
     """
-    found: list[dict[str, Any] | None] = [None] * len(splice.spans)
+    found: list[Slot | None] = [None] * len(splice.spans)
     stack: list[Any] = [doc]
     while stack:
         node = stack.pop()
         if type(node) is dict:
             for key, value in node.items():
-                if key in keys and type(value) is dict:
-                    index = splice.index_of(value.get("data"))
-                    if index is not None:
-                        found[index] = value
+                if key in forms:
+                    spliced = _slot_of(node, key, value, splice, forms)
+                    if spliced is not None:
+                        found[spliced[0]] = spliced[1]
                         # No continue: a sidecar value may hold another envelope.
                 if type(value) is dict or type(value) is list:
                     stack.append(value)
         else:
             stack.extend(v for v in node if type(v) is dict or type(v) is list)
-    for index, value in enumerate(found):
-        if value is None:
+    for index, slot in enumerate(found):
+        if slot is None:
+            what = "an envelope" if splice.forms[index] == _ENVELOPE else "a field value"
             raise WireError(
                 f"$..{splice.keys[index]}",
-                "an envelope in the parsed document for every blob (a duplicate key?)",
+                f"{what} in the parsed document for every blob (a duplicate key?)",
                 f"an orphan blob at bytes {splice.spans[index]}",
             )
-    return [v for v in found if v is not None]
+    return [slot for slot in found if slot is not None]
 
 
 def load_packed_body(
-    raw: bytes | bytearray | memoryview, *, fields: Iterable[PackedField | str] = DEFAULT_FIELDS
+    raw: bytes | bytearray | memoryview,
+    *,
+    fields: Iterable[PackedField | NpyField | str] = DEFAULT_FIELDS,
 ) -> Any:
-    """Parse a JSON body whose registered envelopes keep ``data`` as a memoryview into ``raw``.
+    """Parse a JSON body whose registered fields keep their base64 as memoryviews into ``raw``.
 
-    The result equals ``orjson.loads(raw)`` except that each registered field's
-    envelope ``data`` is a zero-copy memoryview of its base64 bytes; decode with
-    :func:`decode_packed_fields`. A memoryview ``raw`` over part of a buffer is
-    copied once. Errors are :class:`WireError`; a non-bytes ``raw`` is a TypeError.
+    The result equals ``orjson.loads(raw)`` except that each envelope field's ``data``
+    (:class:`PackedField`, or its key as a str) and each .npy-form field's value
+    (:class:`NpyField`) is a zero-copy memoryview of its base64 bytes; decode with
+    :func:`decode_packed_fields` / :func:`decode_npy_field`. A memoryview ``raw`` over
+    part of a buffer is copied once. Errors are :class:`WireError`; a non-bytes
+    ``raw`` is a TypeError.
     """
     buf = _as_bytes(raw)
-    keys = tuple(dict.fromkeys(field.key for field in as_fields(fields)))
+    fields = tuple(fields)
+    npy = tuple(dict.fromkeys(f.key for f in fields if isinstance(f, NpyField)))
+    envelope = tuple(
+        dict.fromkeys(f.key for f in as_fields(f for f in fields if not isinstance(f, NpyField)))
+    )
+    forms: dict[str, set[str]] = {}
+    for key in envelope:
+        forms.setdefault(key, set()).add(_ENVELOPE)
+    for key in npy:
+        forms.setdefault(key, set()).add(_NPY)
     # Longest first, so "rollout_sample_support_logprobs" is tried before its prefix.
-    key_bytes = tuple(sorted((k.encode() for k in keys), key=len, reverse=True))
-    splice, remainder = _scan(buf, key_bytes)
+    key_bytes = tuple(sorted((k.encode() for k in envelope), key=len, reverse=True))
+    splice, remainder = _scan(buf, key_bytes, tuple(k.encode() for k in npy))
     doc = _loads(remainder)
     del remainder
-    found = _check_choices(doc, splice, keys)
+    found = _check_choices(doc, splice, forms)
     if found is None:
-        found = _restore_walk(doc, splice, frozenset(keys))
+        found = _restore_walk(doc, splice, forms)
     view = memoryview(buf)
-    for envelope, (start, end) in zip(found, splice.spans, strict=True):
-        envelope["data"] = view[start:end]
+    for (holder, key), (start, end) in zip(found, splice.spans, strict=True):
+        holder[key] = view[start:end]
     return doc
