@@ -14,6 +14,7 @@
           DeadlineExceeded      the overall deadline ran out while retrying
         RetryLater              one attempt got 429/503 (client/retry.py; retried)
       Overloaded                the server's own "too many in flight" (server/app.py; a 503)
+      EngineStartError          an engine server process never became healthy (vllm/process.py)
 
 Protocol and validation errors are deterministic: retrying sends the same bytes and
 gets the same failure, so they are ``ValueError`` subclasses and are never retried.
@@ -100,3 +101,22 @@ class GenerateTransportError(GenerateError):
 
 class DeadlineExceeded(GenerateTransportError):
     """The client's overall deadline expired before any attempt succeeded."""
+
+
+class EngineStartError(InferenceError):
+    """An engine server process exited or missed its health deadline while starting.
+
+    Not a ``ValueError``: a start can fail for passing reasons (a port taken, a slow
+    disk). ``log_tail`` holds the server's last log lines, which name the real cause
+    (vLLM logs it from a child process the caller never sees), and ``log_path`` the
+    whole log.
+    """
+
+    def __init__(self, message: str, *, log_tail: str = "", log_path: str | None = None) -> None:
+        self.log_tail = log_tail
+        self.log_path = log_path
+        text = message
+        if log_tail:
+            where = f" ({log_path})" if log_path else ""
+            text += f"\n--- last log lines{where} ---\n{log_tail}"
+        super().__init__(text)

@@ -12,4 +12,6 @@ PY=${PYTHON:-python3}
 "$PY" -m ruff check .
 "$PY" -m ruff format --check .
 "$PY" -m mypy inference skyrl_train skyrl_gym
+# vLLM runs from its own venv (about 3 min and 3.5 GB the first time, seconds after).
+bash scripts/install_vllm.sh
 "$PY" -m pytest -q "$@"

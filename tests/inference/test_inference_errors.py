@@ -13,6 +13,7 @@ from inference.client.retry import RetryLater
 from inference.engine.base import check_temperature
 from inference.errors import (
     CheckpointFormatError,
+    EngineStartError,
     GenerateError,
     GenerateProtocolError,
     InferenceError,
@@ -31,6 +32,7 @@ def test_every_exception_derives_from_the_root() -> None:
     classes = exception_classes("inference")
     # The scan reaches the classes defined outside errors.py too.
     assert {ReplyTooLarge, RetryLater, Overloaded, WireError, GenerateError} <= set(classes)
+    assert EngineStartError in classes
     assert [c for c in classes if not issubclass(c, InferenceError)] == []
 
 
@@ -38,7 +40,7 @@ def test_retry_semantics_are_kept_under_the_root() -> None:
     # Deterministic errors stay ValueErrors (never retried); transport ones do not.
     for cls in PATH_ERRORS + (ReplyTooLarge,):
         assert issubclass(cls, ValueError)
-    for cls in (GenerateError, RetryLater, Overloaded):
+    for cls in (GenerateError, RetryLater, Overloaded, EngineStartError):
         assert not issubclass(cls, ValueError)
 
 
@@ -71,3 +73,10 @@ def test_raised_path_errors_lead_with_their_path(tmp_path: Path) -> None:
     assert [e.path for e in errors] == paths
     for err in errors:
         assert str(err).startswith(f"{err.path}: expected "), err
+
+
+def test_engine_start_errors_carry_the_server_log() -> None:
+    err = EngineStartError("vLLM server: expected /health", log_tail="a\nb", log_path="/l")
+    assert (err.log_tail, err.log_path) == ("a\nb", "/l")
+    assert str(err) == "vLLM server: expected /health\n--- last log lines (/l) ---\na\nb"
+    assert str(EngineStartError("no log")) == "no log"

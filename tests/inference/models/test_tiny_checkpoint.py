@@ -165,3 +165,29 @@ def test_make_checkpoint_script_writes_and_describes(tmp_path, capsys) -> None:
     with pytest.raises(SystemExit):
         make_checkpoint.main(["--family", "qwen2_moe", "--out", str(out)])
     assert "new or empty folder" in capsys.readouterr().err
+
+
+def test_make_checkpoint_script_takes_sizes(tmp_path, capsys) -> None:
+    # vLLM's CPU kernels need head_dim 64 and hidden a multiple of 32.
+    sys.path.insert(0, str(REPO / "scripts"))
+    try:
+        import make_checkpoint
+    finally:
+        sys.path.remove(str(REPO / "scripts"))
+    out = tmp_path / "ckpt"
+    argv = ["--family", "qwen3_moe", "--out", str(out), "--size", "head_dim=64"]
+    assert make_checkpoint.main([*argv, "--size", "hidden_size=64"]) == 0
+    arch = inspect_checkpoint(out).architecture
+    assert (arch.head_dim, arch.hidden_size, arch.num_experts) == (64, 64, TinySizes().num_experts)
+    assert "heads 6/2 of 64" in capsys.readouterr().out
+    for bad, message in [
+        ("head_dim", "--size: expected FIELD=INT with FIELD one of"),
+        ("dense_first_layer=1", "--size: expected FIELD=INT"),
+        ("head_dim=x", "--size head_dim: expected an integer, got 'x'"),
+        ("head_dim=0", "--size head_dim: expected a positive integer, got 0"),
+    ]:
+        with pytest.raises(SystemExit):
+            make_checkpoint.main(
+                ["--family", "qwen3_moe", "--out", str(tmp_path / "n"), "--size", bad]
+            )
+        assert message in capsys.readouterr().err
