@@ -33,7 +33,13 @@ STOP_BUDGET = "budget"
 
 
 class GenerateClient(Protocol):
-    """The part of ``inference.client.RemoteGenerateClient`` the generator uses."""
+    """The part of a client the generator uses; ``inference.client.GenerateClient``
+    (``RemoteGenerateClient``, ``VLLMClient``) has it."""
+
+    @property
+    def supports_packed_body(self) -> bool:
+        """Read only when routes are requested (stand-ins without routes may omit it)."""
+        ...
 
     async def generate(
         self,
@@ -61,8 +67,9 @@ class _Trajectory:
     """None until a step's metadata reports ``solved``; then True once any step did."""
     trace: RoutedExpertTrace | None = None
     routes: np.ndarray | None = None
-    versions: list[int | None] = field(default_factory=list)
-    """The policy version each turn's reply reported (None: the server sent none)."""
+    versions: list[tuple[int, ...] | None] = field(default_factory=list)
+    """Per turn, every policy version its reply's tokens came from (two or more when
+    the reply spanned a weight push); None: the server sent none."""
 
     @property
     def tokens(self) -> list[int]:
@@ -196,8 +203,7 @@ class GymGenerator:
             traj.append(generated, mask=1, logprobs=result.logprobs)
             traj.turns += 1
             traj.length_finishes += result.finish_reason == "length"
-            # A client result without the field (a stand-in, an older client) has no version.
-            traj.versions.append(getattr(result, "policy_version", None))
+            traj.versions.append(_turn_versions(result))
             step = env.step(self.tokenizer.decode(generated, skip_special_tokens=True))
             traj.reward += float(step.reward)
             if "solved" in step.metadata:
@@ -251,8 +257,9 @@ class GymGenerator:
                 routed_experts_prompt_start=None if trace is None else trace.prompt_start,
                 # A routed reply is spliced anyway; with ids and logprobs as envelopes
                 # too it parses in 0.12x the time of the lean body's naive parse, the
-                # lean body's splice in 0.37x (scripts/bench_wire.py, README).
-                return_packed_body=trace is not None,
+                # lean body's splice in 0.37x (scripts/bench_wire.py, README). vLLM
+                # cannot send them (its client refuses the option).
+                return_packed_body=trace is not None and client.supports_packed_body,
             )
         except Exception as exc:
             exc.add_note(f"while generating trajectory #{traj.index} turn {turn}")
@@ -290,13 +297,23 @@ class GymGenerator:
         )
 
 
-def _version_span(versions: list[int | None]) -> tuple[int, int] | None:
-    """(oldest, newest) policy version of a trajectory's turns; None if any turn's
-    server reported none."""
-    known = [v for v in versions if v is not None]
-    if not known or len(known) != len(versions):
+def _turn_versions(result: Any) -> tuple[int, ...] | None:
+    """Every policy version one reply carries. A result without the fields (a stand-in,
+    an older client) has none; one with only ``policy_version`` has that one."""
+    versions = getattr(result, "policy_versions", None)
+    if versions is not None:
+        return tuple(versions)
+    version = getattr(result, "policy_version", None)
+    return None if version is None else (version,)
+
+
+def _version_span(versions: list[tuple[int, ...] | None]) -> tuple[int, int] | None:
+    """(oldest, newest) policy version over all of a trajectory's turns, tokens within
+    a turn included; None if any turn's server reported none."""
+    if not versions or any(not v for v in versions):
         return None
-    return min(known), max(known)
+    every = [v for turn in versions if turn for v in turn]
+    return min(every), max(every)
 
 
 def _request_seed(seed: int, call: int, index: int, turn: int) -> int:

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from inference.client.protocol import WeightUpdateClient
 from inference.engine.base import check_policy_version
 from skyrl_train.utils.cpu_topology import pool_workers
 from skyrl_train.utils.parallel import fill_batch_rows
@@ -42,7 +43,8 @@ class SyncStats:
 
 
 class WeightSyncer:
-    """Pushes engine-layout weights to clients (objects with ``async update_weights``).
+    """Pushes engine-layout weights to clients (``WeightUpdateClient``: the builtin
+    server's ``RemoteGenerateClient`` or vLLM's ``VLLMClient``).
 
     Clients are passed per push because an aiohttp session belongs to one event loop,
     while the delta snapshot must outlive the loop of any single sync.
@@ -68,7 +70,7 @@ class WeightSyncer:
 
     async def push(
         self,
-        clients: Sequence[Any],
+        clients: Sequence[WeightUpdateClient],
         named_tensors: Iterable[tuple[str, torch.Tensor]],
         *,
         policy_version: int | None = None,

@@ -79,6 +79,10 @@ class Wrapper:
         self.rewrite_start = rewrite_start
         self.rewrite_result = rewrite_result
 
+    @property
+    def supports_packed_body(self) -> bool:
+        return self.inner.supports_packed_body
+
     async def generate(self, **kwargs: Any) -> Any:
         self.calls.append(kwargs)
         if self.rewrite_start is not None:

@@ -1,0 +1,156 @@
+"""How one bucket of weights reaches a vLLM server's workers: the trainer-side half of a
+vLLM weight-transfer backend, behind one small interface (:class:`BucketSender`).
+
+- :class:`FileBucketSender` (backend ``transport.BACKEND``, the CPU path measured here):
+  one safetensors file per bucket on a path the server's host can read, named in
+  ``/update_weights``; the file is removed once the server answered, also on failure.
+- :class:`NCCLBucketSender` (vLLM's ``nccl`` backend, the GPU path): the worker learns
+  names, dtypes and shapes from ``/update_weights`` and receives the tensors by an NCCL
+  broadcast from the trainer, which must run *while* that request is in flight (both
+  sides meet inside the same collective). The broadcast itself sits behind
+  :class:`TrainerBroadcast`; this module only orders the calls. Not run on a GPU here:
+  its control flow is tested with the broadcast faked.
+
+The push around the buckets (pause, start, finish, resume) is ``inference.vllm.push``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import tempfile
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Any, Protocol
+
+from inference.vllm.transport import file_update_info
+
+PostJSON = Callable[[Mapping[str, Any]], Awaitable[None]]
+"""Sends one RL API request with this JSON payload (``init_info`` or ``update_info``)."""
+
+
+class BucketSender(Protocol):
+    async def connect(self, post_init: PostJSON) -> None:
+        """Once, before the first push: the backend's ``/init_weight_transfer_engine``
+        handshake, if it has one (``post_init(init_info)``)."""
+        ...
+
+    async def send(self, bucket: Mapping[str, Any], post_update: PostJSON) -> None:
+        """Deliver one bucket of engine-layout tensors; ``post_update(update_info)``
+        asks the server to receive it and returns once it has loaded it."""
+        ...
+
+    async def close(self) -> None: ...
+
+
+def default_bucket_dir() -> str:
+    """``/dev/shm`` where it exists (a bucket never touches a disk), else the temp dir."""
+    shm = "/dev/shm"
+    if os.path.isdir(shm) and os.access(shm, os.W_OK | os.X_OK):
+        return shm
+    return tempfile.gettempdir()
+
+
+class FileBucketSender:
+    """One safetensors file per bucket under ``directory`` (default
+    :func:`default_bucket_dir`), which the server must be able to read: same host."""
+
+    def __init__(self, directory: str | None = None) -> None:
+        self.directory = directory if directory is not None else default_bucket_dir()
+        if not os.path.isdir(self.directory):
+            raise ValueError(f"directory: expected an existing folder, got {self.directory!r}")
+
+    async def connect(self, post_init: PostJSON) -> None:
+        """The file backend needs no handshake: each update names its file."""
+
+    async def send(self, bucket: Mapping[str, Any], post_update: PostJSON) -> None:
+        # mkstemp: a unique name (several clients and pushes share the folder) and a
+        # 0600 file, so no other user reads the weights.
+        fd, path = tempfile.mkstemp(
+            prefix="skyrl-vllm-bucket-", suffix=".safetensors", dir=self.directory
+        )
+        os.close(fd)
+        try:
+            await asyncio.to_thread(_save, bucket, path)
+            await post_update(file_update_info(path))
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+
+    async def close(self) -> None:
+        pass
+
+
+def _save(bucket: Mapping[str, Any], path: str) -> None:
+    # Imported here: the generate path of the client stays torch-free.
+    from safetensors.torch import save_file
+
+    save_file({name: t.detach().contiguous().cpu() for name, t in bucket.items()}, path)
+
+
+class TrainerBroadcast(Protocol):
+    """The trainer's end of vLLM's NCCL weight-transfer group (rank 0, the sender).
+
+    A real one wraps vLLM's trainer-side helpers (its TCPStore rendezvous and packed
+    broadcast); it is given to :class:`NCCLBucketSender` by whoever owns the GPU.
+    """
+
+    def worker_init_info(self) -> dict[str, Any]:
+        """``init_info`` of ``/init_weight_transfer_engine`` for the server's workers
+        (vLLM's NCCL init info: master address and port, ``rank_offset``, ``world_size``,
+        packing)."""
+        ...
+
+    async def open(self) -> None:
+        """Join the group as rank 0; runs while the workers join it."""
+        ...
+
+    async def broadcast(self, tensors: Sequence[tuple[str, Any]]) -> None:
+        """Broadcast the tensors in this order; runs while the workers receive them."""
+        ...
+
+    async def close(self) -> None: ...
+
+
+class NCCLBucketSender:
+    """vLLM's ``nccl`` backend: the HTTP request and the trainer's collective together."""
+
+    def __init__(self, broadcast: TrainerBroadcast) -> None:
+        self.broadcast = broadcast
+
+    async def connect(self, post_init: PostJSON) -> None:
+        await _together(post_init(self.broadcast.worker_init_info()), self.broadcast.open())
+
+    async def send(self, bucket: Mapping[str, Any], post_update: PostJSON) -> None:
+        items = list(bucket.items())
+        update_info = {
+            "names": [name for name, _ in items],
+            "dtype_names": [str(t.dtype).removeprefix("torch.") for _, t in items],
+            "shapes": [list(t.shape) for _, t in items],
+        }
+        await _together(post_update(update_info), self.broadcast.broadcast(items))
+
+    async def close(self) -> None:
+        await self.broadcast.close()
+
+
+async def _together(request: Awaitable[None], collective: Awaitable[None]) -> None:
+    """Run an RL API request and the trainer's side of its collective concurrently.
+
+    Whichever fails first is raised and the other cancelled: a request refused before
+    any NCCL call would otherwise leave the broadcast waiting for peers that never
+    come (vLLM's own trainer client checks for exactly that), and a failed broadcast
+    leaves the workers blocked in theirs. The group is unusable after either.
+    """
+    tasks = [asyncio.ensure_future(request), asyncio.ensure_future(collective)]
+    try:
+        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        for task in tasks:
+            error = task.exception() if task in done else None
+            if error is not None:
+                raise error
+        await asyncio.gather(*tasks)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
