@@ -86,8 +86,47 @@ class DataConfig:
     generated prompts from a seed training never draws from."""
 
 
+ENGINE_BACKENDS = ("builtin", "vllm")
+"""``generator.inference_engine.backend``'s choices (``trainer.engine_clients`` makes a
+client for each)."""
+
+
+@dataclass
+class VLLMConfig:
+    """How each ``backend=vllm`` engine starts its stock vLLM server
+    (``inference.vllm.spec.VLLMServerSpec``)."""
+
+    python: str | None = None
+    """vLLM's interpreter; null: the venv ``scripts/install_vllm.sh`` creates under the
+    cache dir (``inference.vllm.spec.default_vllm_python``). vLLM pins its own torch and
+    transformers, so it runs from its own environment and the trainer speaks HTTP to it."""
+    engine_init_kwargs: dict[str, Any] = field(default_factory=dict)
+    """More vLLM server flags (SkyRL's key): ``{max_num_seqs: 64}`` -> ``--max-num-seqs
+    64``; true/false -> ``--flag``/``--no-flag``. The flags the launcher sets itself
+    (model, port, API key, logprobs mode, weight transport...) are refused."""
+    kv_cache_memory_bytes: int | None = setting(64 << 20, ge=1)
+    """vLLM's KV cache in bytes. 64 MiB holds ~44k tokens of the tiny test model (1.5 KB
+    a token) and is what the tests run with; vLLM's own default takes GBs of RAM on CPU.
+    null leaves vLLM's default (on GPU: a share of free memory)."""
+    startup_timeout_s: float = setting(300.0, gt=0.0)
+    """Deadline for ``/health``; a server is up in 33-58 s on 2 CPU cores."""
+
+
 @dataclass
 class InferenceEngineConfig:
+    backend: str = setting("builtin", choices=ENGINE_BACKENDS)
+    """``builtin``: this project's transformers-based server (``inference.server``);
+    ``vllm``: a stock vLLM server per engine (``vllm`` below; SkyRL's key)."""
+    vllm: VLLMConfig = field(default_factory=VLLMConfig)
+    remote_urls: list[str] = field(default_factory=list)
+    """Servers the user started (SkyRL's key), e.g. vLLM on GPU nodes: generation and
+    weight sync go to them over the ``backend``'s API, and no engine is started
+    (``num_engines``, ``host``, ``port`` and the ``vllm`` launch keys are then unused). A
+    vLLM server takes weights through the ``skyrl_file`` transport, so it must run on
+    the trainer's host."""
+    remote_api_key_env: str | None = None
+    """The environment variable holding ``remote_urls``' API key (never the key itself:
+    a config is logged and saved with the run); null: the servers take no key."""
     num_engines: int = setting(1, ge=1)
     enable_return_routed_experts: bool = True
     """R3: the server records and returns every token's top-k experts."""

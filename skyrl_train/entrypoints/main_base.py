@@ -28,6 +28,7 @@ from skyrl_train.errors import ConfigValidationError
 from skyrl_train.utils.logs import console_logging, job_log
 
 if TYPE_CHECKING:
+    from skyrl_train.trainer.engines import Engines
     from skyrl_train.utils.ray_session import RaySession
 
 # Named, not __name__: run as ``python -m`` this module is ``__main__``, and the console
@@ -44,8 +45,9 @@ class Job:
     policy: Any
     """The ``PolicyGroup``: one actor per trainer rank."""
     loop: Any
-    api_key: str = field(repr=False)
-    """The run's bearer token, shared by its servers and clients only."""
+    api_key: str | None = field(repr=False)
+    """The run's bearer token, shared by its servers and clients only (with
+    ``remote_urls``: the key their environment variable holds, or None)."""
 
     def train(self) -> list[dict[str, float]]:
         async def go() -> list[dict[str, float]]:
@@ -66,11 +68,10 @@ class Job:
 def launch(cfg: PPOConfig) -> Iterator[Job]:
     """Start (or join) Ray and place every actor; on exit stop and remove them all."""
     from inference.models.checkpoint import inspect_checkpoint
-    from inference.server.actor import create_server_actor
-    from inference.server.app import ServerConfig
-    from inference.server.launch import EngineSpec
     from skyrl_train.config.model_source import model_checkpoint
     from skyrl_train.dataset.prompts import load_datasets
+    from skyrl_train.trainer.engine_clients import ClientOptions
+    from skyrl_train.trainer.engines import Engines
     from skyrl_train.trainer.loop import GRPOLoop
     from skyrl_train.trainer.policy_group import PolicyGroup
     from skyrl_train.trainer.run_folder import claim_run_dir, resolve_resume
@@ -94,22 +95,24 @@ def launch(cfg: PPOConfig) -> Iterator[Job]:
         info = inspect_checkpoint(checkpoint)
         tokenizer = info.tokenizer
         # One bearer token per run, handed to servers and clients as Ray call arguments:
-        # never on a command line (ps shows those) and never printed.
+        # never printed, and on no command line of the builtin server (ps shows those).
+        # A vLLM server still gets it as --api-key (inference.vllm.spec.vllm_command),
+        # though vLLM also reads it from VLLM_API_KEY.
         api_key = secrets.token_urlsafe(32)
         ray_session = start_ray(
             address=cfg.ray.address,
             num_cpus=cfg.ray.num_cpus,
             runtime_env=cfg.ray.runtime_env,
         )
-        servers: list[Any] = []
+        engine = cfg.generator.inference_engine
+        engines = Engines(engine)
         policy: Any = None
         try:
-            engine = cfg.generator.inference_engine
             placement = cfg.trainer.placement
             require_cpus(
                 {
                     "generator.inference_engine.num_cpus_per_engine": (
-                        engine.num_engines,
+                        0 if engine.remote_urls else engine.num_engines,
                         engine.num_cpus_per_engine,
                     ),
                     "trainer.placement.cpus_per_trainer": (
@@ -119,23 +122,9 @@ def launch(cfg: PPOConfig) -> Iterator[Job]:
                 },
                 local=cfg.ray.address is None,
             )
-            spec = EngineSpec(
-                checkpoint=str(checkpoint),
-                dtype=engine.dtype,
-                model_name=engine.model_name,
-                max_batch_size=engine.max_batch_size,
-                batch_window_ms=engine.batch_window_ms,
-                batch_invariant=engine.batch_invariant,
-            )
-            urls = []
-            for _ in range(engine.num_engines):
-                handle, url = create_server_actor(
-                    spec,
-                    ServerConfig(host=engine.host, port=engine.port, api_key=api_key),
-                    num_cpus=engine.num_cpus_per_engine,
-                )
-                servers.append(handle)
-                urls.append(url)
+            # builtin or vLLM servers on the checkpoint folder, or remote_urls as given.
+            engines.start(checkpoint, api_key=api_key)
+            urls, server_key = engines.urls, engines.api_key
             policy = PolicyGroup.place(
                 cfg, checkpoint=str(checkpoint), pad_token_id=info.pad_token_id
             )
@@ -146,12 +135,19 @@ def launch(cfg: PPOConfig) -> Iterator[Job]:
                 server_urls=urls,
                 policy=policy,
                 pad_token_id=info.pad_token_id,
-                api_key=api_key,
+                api_key=server_key,
                 datasets=datasets,
+                client_options=ClientOptions.for_run(cfg, info, api_key=server_key),
             )
-            yield Job(cfg=cfg, server_urls=urls, policy=policy, loop=loop, api_key=api_key)
+            try:
+                yield Job(cfg=cfg, server_urls=urls, policy=policy, loop=loop, api_key=server_key)
+            except Exception:
+                # A server killed mid-run surfaces as a connection error in some step:
+                # name the engine that died (and its last log lines) instead.
+                engines.check_alive()
+                raise
         finally:
-            _teardown(servers, policy, ray_session)
+            _teardown(engines, policy, ray_session)
 
 
 def run(cfg: PPOConfig) -> list[dict[str, float]]:
@@ -167,15 +163,8 @@ def run(cfg: PPOConfig) -> list[dict[str, float]]:
     return history
 
 
-def _teardown(servers: list[Any], policy: Any, ray_session: RaySession) -> None:
-    import ray
-
-    for handle in servers:
-        try:
-            ray.get(handle.stop.remote(), timeout=30)
-        except Exception as exc:  # a dead actor must not keep the others alive
-            logger.warning("inference server did not stop cleanly: %r", exc)
-        ray.kill(handle)
+def _teardown(engines: Engines, policy: Any, ray_session: RaySession) -> None:
+    engines.stop()  # every server process, vLLM's whole process groups included
     if policy is not None:
         policy.kill()
     ray_session.shutdown()

@@ -53,6 +53,7 @@ from skyrl_train.trainer.checkpoint import (
     prune_checkpoints,
     verify_checkpoint,
 )
+from skyrl_train.trainer.engine_clients import ClientOptions, make_client
 from skyrl_train.trainer.run_folder import CHECKPOINTS_DIR
 from skyrl_train.utils.durable import write_file
 from skyrl_train.utils.tracking import MetricsTracker, format_metrics_line
@@ -99,15 +100,21 @@ class GRPOLoop:
         pad_token_id: int,
         api_key: str | None = None,
         datasets: PromptDatasets | None = None,
+        client_options: ClientOptions | None = None,
     ) -> None:
         """``datasets``: prompts loaded (and checked) by the launch before Ray started;
-        None loads them here (``load_datasets``)."""
+        None loads them here (``load_datasets``). ``client_options``: how generation
+        clients are made (``engine_clients.make_client``); None: the config's backend
+        with ``api_key``, which a vLLM server needs more than (``ClientOptions.for_run``)."""
         self.cfg = cfg
         self.tokenizer = tokenizer
         self.server_urls = server_urls
         self.policy = policy
         self.pad_token_id = pad_token_id
         self.api_key = api_key
+        self.client_options = client_options or ClientOptions(
+            backend=cfg.generator.inference_engine.backend, api_key=api_key
+        )
         self.run_dir = Path(cfg.trainer.run_dir)
         self.datasets = datasets if datasets is not None else load_datasets(cfg)
         self.version = 0
@@ -118,14 +125,12 @@ class GRPOLoop:
     # ---- the run ---------------------------------------------------------------------
 
     async def run(self, *, start_step: int = 0) -> list[dict[str, float]]:
-        from inference.client import RemoteGenerateClient
-
         t = self.cfg.trainer
         # Lines of steps after start_step (left by the run this one resumes) are dropped.
         tracker = MetricsTracker(
             self.run_dir, trackers=self.cfg.logging.trackers, start_step=start_step
         )
-        clients = [RemoteGenerateClient(url, api_key=self.api_key) for url in self.server_urls]
+        clients = [make_client(url, self.client_options) for url in self.server_urls]
         bar = tqdm(
             total=t.num_steps,
             initial=start_step,

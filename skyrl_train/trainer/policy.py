@@ -420,7 +420,7 @@ class PolicyTrainer:
         URLs still runs the export when experts or layers are sharded: the export
         gathers experts over the EP group and stages over the pipeline group, in
         lockstep."""
-        from inference.client import RemoteGenerateClient
+        from skyrl_train.trainer.engine_clients import ClientOptions, make_client
 
         if not urls:
             if self.info.ep_size > 1 or self.info.pp_size > 1:
@@ -429,7 +429,11 @@ class PolicyTrainer:
             return {}
 
         async def push() -> dict[str, float]:
-            clients = [RemoteGenerateClient(url, api_key=api_key) for url in urls]
+            # Push-only clients: no EOS ids or route shape (they never generate).
+            options = ClientOptions(
+                backend=self.cfg.generator.inference_engine.backend, api_key=api_key
+            )
+            clients = [make_client(url, options) for url in urls]
             try:
                 stats = await self.syncer.push(
                     clients, self.worker.export_weights(), policy_version=policy_version
