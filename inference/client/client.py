@@ -85,20 +85,16 @@ class RemoteGenerateClient(HTTPClientBase):
         max_reply_bytes: int | None = None,
         route_shape: RouteShape | None = None,
     ) -> None:
-        if max_reply_bytes is not None and positive_int(max_reply_bytes) is None:
-            raise ValueError(
-                f"max_reply_bytes: expected None or an int >= 1, got {max_reply_bytes!r}"
-            )
-        if route_shape is not None and not isinstance(route_shape, RouteShape):
-            raise TypeError(
-                f"route_shape: expected a RouteShape or None, got {type(route_shape).__name__}"
-            )
         super().__init__(
-            base_url, retry=retry, api_key=api_key, max_connections=max_connections, seed=seed
+            base_url,
+            retry=retry,
+            api_key=api_key,
+            model=model,
+            max_connections=max_connections,
+            seed=seed,
+            max_reply_bytes=max_reply_bytes,
+            route_shape=route_shape,
         )
-        self._model = model
-        self.max_reply_bytes = max_reply_bytes
-        self.route_shape = route_shape
         self._route_shape_lock = asyncio.Lock()
 
     async def generate(

@@ -15,10 +15,11 @@ from typing import Any, TypeVar
 import aiohttp
 import yarl
 
-from inference.client.limits import read_capped
+from inference.client.limits import RouteShape, read_capped
 from inference.client.replies import status_error
 from inference.client.results import GenerateRequest, GenerateResult
 from inference.client.retry import RetryPolicy, call_with_retry
+from inference.client.sampling import positive_int
 from inference.errors import GenerateTransportError
 
 T = TypeVar("T")
@@ -40,8 +41,11 @@ class HTTPClientBase:
         *,
         retry: RetryPolicy | Mapping[str, Any] | None = None,
         api_key: str | None = None,
+        model: str | None = None,
         max_connections: int = 64,
         seed: int | None = None,
+        max_reply_bytes: int | None = None,
+        route_shape: RouteShape | None = None,
     ) -> None:
         url = yarl.URL(base_url)
         if url.scheme not in ("http", "https") or not url.host:
@@ -62,6 +66,18 @@ class HTTPClientBase:
         self._max_connections = max_connections
         self._rng = random.Random(seed)
         self._session: aiohttp.ClientSession | None = None
+        if max_reply_bytes is not None and positive_int(max_reply_bytes) is None:
+            raise ValueError(
+                f"max_reply_bytes: expected None or an int >= 1, got {max_reply_bytes!r}"
+            )
+        if route_shape is not None and not isinstance(route_shape, RouteShape):
+            raise TypeError(
+                f"route_shape: expected a RouteShape or None, got {type(route_shape).__name__}"
+            )
+        self._model = model
+        self.max_reply_bytes = max_reply_bytes
+        """Replaces the generate reply cap derived from each request, when given."""
+        self.route_shape = route_shape
 
     async def __aenter__(self: C) -> C:
         self._ensure_session()

@@ -108,14 +108,6 @@ class VLLMClient(HTTPClientBase):
         weight_timeout_s: float = 300.0,
         eos_token_ids: Sequence[int] = (),
     ) -> None:
-        if max_reply_bytes is not None and positive_int(max_reply_bytes) is None:
-            raise ValueError(
-                f"max_reply_bytes: expected None or an int >= 1, got {max_reply_bytes!r}"
-            )
-        if route_shape is not None and not isinstance(route_shape, RouteShape):
-            raise TypeError(
-                f"route_shape: expected a RouteShape or None, got {type(route_shape).__name__}"
-            )
         if (
             isinstance(weight_timeout_s, bool)
             or not isinstance(weight_timeout_s, int | float)
@@ -131,12 +123,16 @@ class VLLMClient(HTTPClientBase):
                 f"eos_token_ids: expected a sequence of token ids >= 0, got {eos_token_ids!r}"
             )
         super().__init__(
-            base_url, retry=retry, api_key=api_key, max_connections=max_connections, seed=seed
+            base_url,
+            retry=retry,
+            api_key=api_key,
+            model=model,
+            max_connections=max_connections,
+            seed=seed,
+            max_reply_bytes=max_reply_bytes,
+            route_shape=route_shape,
         )
         self.eos_token_ids = tuple(eos_token_ids)
-        self._model = model
-        self.max_reply_bytes = max_reply_bytes
-        self.route_shape = route_shape
         self._control_retry = dataclasses.replace(
             self.retry,
             attempt_timeout_s=weight_timeout_s,
