@@ -13,6 +13,8 @@ configuration, which retrying cannot fix.
       RouteTraceError         a turn's routes do not fit the trajectory (names trajectory, turn)
       CollationError          a sample cannot be collated into the batch (names trajectory)
       RouteReplayError        routes cannot be replayed by the trainer (names trajectory, layer)
+      ServedWeightsError      an engine serves other weights than the trainer pushed
+                              (names the engine, the policy version, the worst token)
 
 ``path`` is always the dotted config key to change (``trainer.resume_from``) and the
 message starts with it: ``path: expected X, got Y``, or, when a file is at fault,
@@ -22,6 +24,7 @@ message starts with it: ``path: expected X, got Y``, or, when a file is at fault
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 
 class SkyRLTrainError(Exception):
@@ -104,3 +107,21 @@ class CollationError(SkyRLTrainError, ValueError):
 
 class RouteReplayError(SkyRLTrainError, ValueError):
     """Recorded routes cannot be replayed through the trainer's routers."""
+
+
+class ServedWeightsError(SkyRLTrainError, ValueError):
+    """An engine answered the weight push but does not compute with those weights
+    (``trainer.served_weights``). Retrying the push will not fix a broken transport
+    or engine; the run stops before training on its rollouts.
+
+    ``url`` is the engine, ``policy_version`` the push it was checked after, ``check``
+    the scored probe when it got that far (``served_weights.EngineCheck``).
+    """
+
+    def __init__(self, url: str, policy_version: int, reason: str, *, check: Any = None) -> None:
+        self.url = url
+        self.policy_version = policy_version
+        self.check = check
+        super().__init__(
+            f"engine {url} after the push of policy version {policy_version}: {reason}"
+        )

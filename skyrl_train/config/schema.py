@@ -144,6 +144,14 @@ class InferenceEngineConfig:
     runs diverge. Off runs the stock forward, faster at batch 64."""
     num_cpus_per_engine: float = setting(1.0, gt=0.0)
     """Ray CPU reservation of one server actor."""
+    verify_weights_interval: int = setting(10, ge=0)
+    """Check that every engine serves the trainer's weights after the launch's push and
+    after every N-th step's (``trainer.served_weights``); 0 never checks. One greedy
+    probe request per engine and one trainer forward: ~0.1 s on the tiny model."""
+    verify_weights_tolerance: float = setting(0.1, gt=0.0)
+    """The bound on the probe's median |served - trainer| logprob, in nats. Measured on
+    the tiny model: bf16 engines against the fp32 trainer 0.005-0.05 (vLLM 0.005-0.012,
+    builtin 0.018-0.047); vLLM's MoE reload bug 0.14-0.44 there, more on a real model."""
 
 
 @dataclass

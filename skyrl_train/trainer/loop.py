@@ -46,6 +46,8 @@ from skyrl_train.dataset.preprocess import convert_to_training_batch
 from skyrl_train.dataset.prompts import PromptDatasets, load_datasets, sample_step
 from skyrl_train.generators.base import GeneratorInput, GeneratorOutput, concat_outputs
 from skyrl_train.generators.gym_generator import GymGenerator
+from skyrl_train.generators.rendering import ChatTemplateRenderer
+from skyrl_train.trainer import served_weights
 from skyrl_train.trainer.checkpoint import (
     DRIVER_FILE,
     begin_save,
@@ -82,6 +84,7 @@ LINE_KEYS = (
     ("timing/collate_s", "t_collate"),
     ("timing/train_s", "t_train"),
     ("timing/sync_s", "t_sync"),
+    ("served_weights/median_abs_logp_diff", "served_dlogp"),
     ("async/staleness_max", "stale_max"),
 )
 
@@ -119,6 +122,8 @@ class GRPOLoop:
         self.datasets = datasets if datasets is not None else load_datasets(cfg)
         self.version = 0
         """The policy version the servers hold: the last step whose weights were pushed."""
+        self._probe_ids: list[int] | None = None
+        """The served-weights check's prompt, rendered at its first use."""
         self._version_changed: asyncio.Condition | None = None
         """Made per ``run``: asyncio primitives bind to the event loop that first uses them."""
 
@@ -145,6 +150,10 @@ class GRPOLoop:
         steps = range(start_step + 1, t.num_steps + 1)
         rollouts = self._rollouts_ahead(steps, clients) if t.fully_async.enabled else None
         try:
+            if self._weights_check_due(start_step, start_step=start_step):
+                # The launch's push: a transport or engine that ignores weights fails
+                # here, before any rollout is trained on.
+                await self.verify_served_weights(clients, policy_version=start_step)
             for step in steps:
                 started = time.perf_counter()
                 if rollouts is None:
@@ -153,6 +162,8 @@ class GRPOLoop:
                     rollout = await rollouts.next()
                     waited = time.perf_counter() - started
                 metrics = await self.learn(step, rollout)
+                if self._weights_check_due(step, start_step=start_step):
+                    metrics.update(await self.verify_served_weights(clients, policy_version=step))
                 # The step's wall time: generation included when it ran in line, only the
                 # wait for it when it ran ahead (fully async).
                 metrics["timing/step_s"] = time.perf_counter() - started
@@ -175,6 +186,42 @@ class GRPOLoop:
             tracker.close()
             await asyncio.gather(*(c.close() for c in clients))
         return history
+
+    def _weights_check_due(self, step: int, *, start_step: int) -> bool:
+        interval = self.cfg.generator.inference_engine.verify_weights_interval
+        return served_weights.is_due(step, interval=interval, start_step=start_step)
+
+    async def verify_served_weights(
+        self, clients: list[Any], *, policy_version: int
+    ) -> dict[str, float]:
+        """Every engine serves the weights of ``policy_version`` (``served_weights.py``);
+        raises ``ServedWeightsError`` naming the engine and its worst token."""
+        started = time.perf_counter()
+        if self._probe_ids is None:
+            # The first training prompt as the generator renders it: a probe from the
+            # distribution the run samples, the same one at every check.
+            renderer = ChatTemplateRenderer(self.tokenizer)
+            self._probe_ids = renderer.initial(self.datasets.train[0].prompt)
+        checks = await served_weights.check_served_weights(
+            clients,
+            self.server_urls,
+            self.policy.score,
+            prompt_ids=self._probe_ids,
+            pad_token_id=self.pad_token_id,
+            policy_version=policy_version,
+            tolerance=self.cfg.generator.inference_engine.verify_weights_tolerance,
+        )
+        metrics = served_weights.check_metrics(checks)
+        metrics["timing/verify_weights_s"] = time.perf_counter() - started
+        logger.info(
+            "served weights of policy version %d: |served - trainer| logprob median %.4f, "
+            "mean %.4f (worst engine), worst token %.4f",
+            policy_version,
+            metrics["served_weights/median_abs_logp_diff"],
+            metrics["served_weights/mean_abs_logp_diff"],
+            metrics["served_weights/max_abs_logp_diff"],
+        )
+        return metrics
 
     def _rollouts_ahead(self, steps: range, clients: list[Any]) -> _RolloutsAhead:
         """Fully async: a task generating the steps' rollouts in order, each as soon as

@@ -410,6 +410,18 @@ class PolicyTrainer:
 
         return loss_fn
 
+    def score(self, batch: TrainingBatch) -> torch.Tensor | None:
+        """The current weights' logprobs ``[B, R]`` of ``batch``'s response tokens, with
+        the trainer's own routing (the served-weights check, ``served_weights.py``).
+        Every rank runs it (experts and stages meet in collectives); only the last
+        pipeline stage holds logprobs, the others return None."""
+        logprobs = self.worker.forward(
+            batch,
+            micro_batch_size=self.cfg.trainer.micro_forward_batch_size_per_gpu,
+            replay_routes=False,
+        ).logprobs
+        return logprobs if self.info.is_last_stage else None
+
     # ---- weights and checkpoints ----------------------------------------------------
 
     def push_weights(

@@ -131,6 +131,15 @@ class PolicyGroup:
         }
         return combine_rank_metrics([seen[r] for r in sorted(seen)])
 
+    async def score(self, batch: TrainingBatch) -> torch.Tensor:
+        """The policy's logprobs ``[B, R]`` of ``batch``'s responses: every rank scores
+        the whole (small) batch, since experts and stages meet in collectives."""
+        import ray
+
+        shared = ray.put(batch)
+        per_rank = await _all(actor.score.remote(shared) for actor in self.actors)
+        return next(logprobs for logprobs in per_rank if logprobs is not None)
+
     async def push_weights(
         self, urls: list[str], *, api_key: str | None = None, policy_version: int | None = None
     ) -> dict[str, float]:

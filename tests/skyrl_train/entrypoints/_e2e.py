@@ -35,6 +35,9 @@ SMALL = [
     # Delta sync end to end (full is the default and what the other runs exercise):
     # the weights-changed checks then prove changed tensors really are sent.
     "trainer.weight_sync.mode=delta",
+    # The served-weights check after every push (the default is every 10th), so every
+    # layout the e2e runs cover (data, expert, pipeline parallel) scores the probe.
+    "generator.inference_engine.verify_weights_interval=1",
     "logging.plot=true",
     "ray.num_cpus=2",
 ]

@@ -107,6 +107,11 @@ def test_metrics_are_written_per_step(first_run: FirstRun) -> None:
         ):
             assert row[key] is not None and math.isfinite(row[key]), key
     assert "eval/reward_mean" in rows[1]
+    for row in rows:
+        # fp32 rollouts from the batch-invariant engine: the probe's served logprobs
+        # are the trainer's own (bf16 engines: test_main_base_served_weights.py).
+        assert row["served_weights/median_abs_logp_diff"] <= 1e-5, row
+        assert row["served_weights/max_abs_logp_diff"] <= 1e-5, row
 
 
 def test_every_ray_and_server_socket_is_on_loopback(first_run: FirstRun) -> None:

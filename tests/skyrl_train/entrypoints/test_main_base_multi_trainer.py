@@ -141,6 +141,8 @@ def test_two_ranks_train_one_step_with_replay(two_ranks: TwoRankRun) -> None:
     assert metrics["r3/router_agreement_trained"] == 1.0
     assert metrics["train/optimizer_steps"] == 2.0
     assert metrics["reward/std"] > 0  # else advantages are 0 and nothing trains
+    # Both ranks scored the probe (experts meet in the all-to-all); fp32 engine.
+    assert metrics["served_weights/median_abs_logp_diff"] <= 1e-4, metrics
 
 
 def test_ranks_are_data_and_expert_parallel(two_ranks: TwoRankRun) -> None:

