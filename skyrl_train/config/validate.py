@@ -430,14 +430,15 @@ def _vllm_build(python: str | None) -> VLLMBuild:
 
 def _check_vllm_model(cfg: PPOConfig, arch: MoEArchitecture, build: VLLMBuild | None) -> None:
     """Refuse a checkpoint the vLLM engines this launch starts would not serve."""
-    from inference.vllm.build import TESTED_FAMILIES, cpu_unservable
+    from inference.vllm.build import TESTED_FAMILIES, servable_sizes, unservable
 
     if build is None:
         return
     which = "the built-in model" if cfg.model.path is None else repr(cfg.model.path)
+    family = arch.family if arch.family in TESTED_FAMILIES else TESTED_FAMILIES[0]
     fix = (
         "pass model.path to a checkpoint it serves, e.g. one written by "
-        "scripts/make_checkpoint.py --family qwen3_moe --out DIR --size head_dim=64 --size hidden_size=64"
+        f"scripts/make_checkpoint.py --family {family} --out DIR {servable_sizes(family)}"
     )
     if arch.family not in TESTED_FAMILIES:
         raise ConfigValidationError(
@@ -445,12 +446,11 @@ def _check_vllm_model(cfg: PPOConfig, arch: MoEArchitecture, build: VLLMBuild | 
             f"expected a checkpoint of a family tested with {_ENGINE}.backend=vllm "
             f"{list(TESTED_FAMILIES)}, got {which} of family {arch.family!r} ({fix})",
         )
-    reason = cpu_unservable(arch) if build.cpu else None
+    reason = unservable(arch, build)
     if reason is not None:
         raise ConfigValidationError(
             "model.path",
-            f"expected a checkpoint vLLM's CPU build ({build}) serves, got {which} with "
-            f"{reason}; {fix}",
+            f"expected a checkpoint {build} serves, got {which} with {reason}; {fix}",
         )
 
 

@@ -32,6 +32,9 @@ class ClientOptions:
     route_shape: RouteShape | None = None
     """vLLM only: the shape routes are decoded to (vLLM does not report it); None for a
     client that never requests routes."""
+    family: str | None = None
+    """vLLM only: the checkpoint's family, for the names vLLM loads pushed weights under
+    (``inference.vllm.layouts``)."""
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -50,6 +53,7 @@ class ClientOptions:
             backend=cfg.generator.inference_engine.backend,
             api_key=api_key,
             eos_token_ids=tuple(info.eos_token_ids),
+            family=arch.family,
             route_shape=RouteShape(
                 num_layers=arch.num_moe_layers,
                 top_k=arch.num_experts_per_tok,
@@ -69,6 +73,7 @@ def make_client(url: str, options: ClientOptions) -> GenerateClient:
             api_key=options.api_key,
             eos_token_ids=options.eos_token_ids,
             route_shape=options.route_shape,
+            family=options.family,
         )
     from inference.client import RemoteGenerateClient
 

@@ -443,7 +443,9 @@ class PolicyTrainer:
         async def push() -> dict[str, float]:
             # Push-only clients: no EOS ids or route shape (they never generate).
             options = ClientOptions(
-                backend=self.cfg.generator.inference_engine.backend, api_key=api_key
+                backend=self.cfg.generator.inference_engine.backend,
+                api_key=api_key,
+                family=self.worker.architecture.family,
             )
             clients = [make_client(url, options) for url in urls]
             try:

@@ -24,6 +24,9 @@ from inference.vllm.transport import file_update_info
 # vLLM's CPU attention refuses head_dim 8 and 16, and its CPU MoE kernel wants hidden
 # and expert widths divisible by 32; the rest as TinySizes().
 VLLM_SIZES = TinySizes(hidden_size=64, head_dim=64)
+# vLLM's olmoe and qwen2_moe take the head size as hidden / heads (inference.vllm.build.
+# HEAD_DIM_FROM_WIDTH): 128 / 2 = 64 for every family.
+VLLM_WIDTH_SIZES = TinySizes(hidden_size=128, num_attention_heads=2, num_kv_heads=1, head_dim=64)
 KV_CACHE_BYTES = 64 << 20
 
 
@@ -44,13 +47,19 @@ def find_vllm_python() -> str | None:
 
 
 def start_server(
-    python: str, checkpoint: Path, *, log_file: Path, env: dict[str, str] | None = None
+    python: str,
+    checkpoint: Path,
+    *,
+    log_file: Path,
+    env: dict[str, str] | None = None,
+    dtype: str = "bfloat16",
 ) -> VLLMServerProcess:
     """A server with its log at ``log_file`` (pytest's temp folder keeps it for a look
     after a failure)."""
     spec = VLLMServerSpec(
         checkpoint=str(checkpoint),
         python=python,
+        dtype=dtype,
         kv_cache_memory_bytes=KV_CACHE_BYTES,
         env=env or {},
         log_file=str(log_file),

@@ -25,10 +25,13 @@ def test_the_backend_picks_the_client() -> None:
     shape = RouteShape(num_layers=2, top_k=2, num_experts=6)
     vllm = make_client(
         "http://127.0.0.1:1",
-        ClientOptions(backend="vllm", api_key="k", eos_token_ids=(7,), route_shape=shape),
+        ClientOptions(
+            backend="vllm", api_key="k", eos_token_ids=(7,), route_shape=shape, family="mixtral"
+        ),
     )
     assert isinstance(vllm, VLLMClient)
     assert vllm.eos_token_ids == (7,) and vllm.route_shape == shape
+    assert vllm.family == "mixtral"  # pushed weights get the names vLLM's Mixtral loads
     with pytest.raises(ValueError, match=r"^generator.inference_engine.backend: expected"):
         ClientOptions(backend="sglang")
     assert "secret-key" not in repr(ClientOptions(api_key="secret-key"))
@@ -42,6 +45,7 @@ def test_run_options_come_from_the_checkpoint(tmp_path: Path) -> None:
     arch = info.architecture
     assert options.backend == "vllm" and options.eos_token_ids == info.eos_token_ids
     assert options.eos_token_ids  # the checkpoint names at least one
+    assert options.family == "qwen3_moe"
     assert options.route_shape == RouteShape(
         num_layers=arch.num_moe_layers, top_k=arch.num_experts_per_tok, num_experts=arch.num_experts
     )
