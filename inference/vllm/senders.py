@@ -4,6 +4,9 @@ vLLM weight-transfer backend, behind one small interface (:class:`BucketSender`)
 - :class:`FileBucketSender` (backend ``transport.BACKEND``, the CPU path measured here):
   one safetensors file per bucket on a path the server's host can read, named in
   ``/update_weights``; the file is removed once the server answered, also on failure.
+- :class:`URLBucketSender` (the same backend, for a server on another host): the
+  trainer serves each bucket once at an unguessable URL with a bearer token of its own,
+  and the server's workers pull it; the URL is gone once the server answered.
 - :class:`NCCLBucketSender` (vLLM's ``nccl`` backend, the GPU path): the worker learns
   names, dtypes and shapes from ``/update_weights`` and receives the tensors by an NCCL
   broadcast from the trainer, which must run *while* that request is in flight (both
@@ -18,12 +21,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import os
+import secrets
 import tempfile
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, Protocol
 
-from inference.vllm.transport import file_update_info
+from inference.vllm.transport import file_update_info, url_update_info
 
 PostJSON = Callable[[Mapping[str, Any]], Awaitable[None]]
 """Sends one RL API request with this JSON payload (``init_info`` or ``update_info``)."""
@@ -79,6 +84,78 @@ class FileBucketSender:
 
     async def close(self) -> None:
         pass
+
+
+class URLBucketSender:
+    """Serves each bucket over HTTP for a server on another host to pull.
+
+    ``host`` is bound and put in the URLs: the trainer's address as the server's host
+    reaches it (loopback by default, which only a server on this host can use).
+    ``port`` 0 lets the OS pick one. Each bucket gets a fresh random path and bearer
+    token and is served until the server answered its ``/update_weights``; any other
+    request gets 404 (unknown path) or 401 (wrong token) and nothing else.
+    """
+
+    def __init__(self, host: str = "127.0.0.1", *, port: int = 0) -> None:
+        if not host:
+            raise ValueError("host: expected an address the server can reach, got ''")
+        self.host = host
+        self.port = port
+        self._buckets: dict[str, tuple[str, bytes]] = {}
+        self._runner: Any = None
+        self._url_host = f"[{host}]" if ":" in host else host
+
+    async def connect(self, post_init: PostJSON) -> None:
+        """Starts the HTTP server (no handshake with vLLM: each update names its URL)."""
+        await self._start()
+
+    async def _start(self) -> None:
+        from aiohttp import web
+
+        if self._runner is not None:
+            return
+        app = web.Application()
+        app.router.add_get("/buckets/{name}", self._serve)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, self.host, self.port)
+        await site.start()
+        self._runner = runner
+        self.port = int(runner.addresses[0][1])
+
+    async def _serve(self, request: Any) -> Any:
+        from aiohttp import web
+
+        entry = self._buckets.get(request.match_info["name"])
+        if entry is None:
+            return web.Response(status=404)
+        token, body = entry
+        sent = request.headers.get("Authorization", "")
+        if not hmac.compare_digest(sent.encode(), f"Bearer {token}".encode()):
+            return web.Response(status=401)
+        return web.Response(body=body, content_type="application/octet-stream")
+
+    async def send(self, bucket: Mapping[str, Any], post_update: PostJSON) -> None:
+        await self._start()
+        name, token = secrets.token_urlsafe(16), secrets.token_urlsafe(32)
+        self._buckets[name] = (token, await asyncio.to_thread(_serialize, bucket))
+        try:
+            url = f"http://{self._url_host}:{self.port}/buckets/{name}"
+            await post_update(url_update_info(url, api_key=token))
+        finally:
+            del self._buckets[name]
+
+    async def close(self) -> None:
+        self._buckets.clear()
+        if self._runner is not None:
+            runner, self._runner = self._runner, None
+            await runner.cleanup()
+
+
+def _serialize(bucket: Mapping[str, Any]) -> bytes:
+    from safetensors.torch import save
+
+    return save({name: t.detach().contiguous().cpu() for name, t in bucket.items()})
 
 
 def _save(bucket: Mapping[str, Any], path: str) -> None:

@@ -110,6 +110,12 @@ class VLLMConfig:
     null leaves vLLM's default (on GPU: a share of free memory)."""
     startup_timeout_s: float = setting(300.0, gt=0.0)
     """Deadline for ``/health``; a server is up in 33-58 s on 2 CPU cores."""
+    weight_url_host: str | None = None
+    """How pushed weights reach the servers. null: a safetensors file per bucket on this
+    host (``/dev/shm``), so every server must run here. An address: the pushing trainer
+    binds it and serves each bucket once over HTTP with a token of its own, and the
+    servers pull it, for vLLM on other hosts (``remote_urls``); ``auto``: that trainer's
+    node address as Ray reports it (``inference.vllm.senders.URLBucketSender``)."""
 
 
 @dataclass
@@ -122,8 +128,8 @@ class InferenceEngineConfig:
     """Servers the user started (SkyRL's key), e.g. vLLM on GPU nodes: generation and
     weight sync go to them over the ``backend``'s API, and no engine is started
     (``num_engines``, ``host``, ``port`` and the ``vllm`` launch keys are then unused). A
-    vLLM server takes weights through the ``skyrl_file`` transport, so it must run on
-    the trainer's host."""
+    vLLM server takes weights through the ``skyrl_file`` transport: as files on the
+    trainer's host, or pulled over HTTP with ``vllm.weight_url_host`` set."""
     remote_api_key_env: str | None = None
     """The environment variable holding ``remote_urls``' API key (never the key itself:
     a config is logged and saved with the run); null: the servers take no key."""

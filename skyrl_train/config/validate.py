@@ -369,6 +369,14 @@ def _check_engine_backend(cfg: PPOConfig) -> VLLMBuild | None:
             f"expected the name of a set environment variable holding the remote servers' "
             f"API key, got {env!r}, which is unset or empty",
         )
+    host = eng.vllm.weight_url_host
+    if host is not None and (eng.backend != "vllm" or not host.strip()):
+        raise ConfigValidationError(
+            f"{_ENGINE}.vllm.weight_url_host",
+            f"expected null, an address or auto with {_ENGINE}.backend=vllm (the builtin "
+            f"server takes weights in its own update request), got {host!r} with "
+            f"backend={eng.backend}",
+        )
     if eng.backend != "vllm" or eng.remote_urls:
         return None  # the user's own servers: their build is theirs to choose
     build = _vllm_build(eng.vllm.python)

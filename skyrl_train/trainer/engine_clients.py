@@ -35,6 +35,9 @@ class ClientOptions:
     family: str | None = None
     """vLLM only: the checkpoint's family, for the names vLLM loads pushed weights under
     (``inference.vllm.layouts``)."""
+    weight_url_host: str | None = None
+    """vLLM only: ``generator.inference_engine.vllm.weight_url_host`` (None: bucket files
+    on this host)."""
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -67,13 +70,21 @@ def make_client(url: str, options: ClientOptions) -> GenerateClient:
     if options.backend == "vllm":
         # Imported only for vLLM runs: the builtin path never loads the vLLM modules.
         from inference.vllm.client import VLLMClient
+        from inference.vllm.senders import URLBucketSender
 
+        host = options.weight_url_host
+        if host == "auto":
+            import ray
+
+            host = ray.util.get_node_ip_address()
         return VLLMClient(
             url,
             api_key=options.api_key,
             eos_token_ids=options.eos_token_ids,
             route_shape=options.route_shape,
             family=options.family,
+            # Served only once a push starts: a generation-only client never binds it.
+            sender=None if host is None else URLBucketSender(host),
         )
     from inference.client import RemoteGenerateClient
 

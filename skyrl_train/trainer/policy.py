@@ -446,6 +446,7 @@ class PolicyTrainer:
                 backend=self.cfg.generator.inference_engine.backend,
                 api_key=api_key,
                 family=self.worker.architecture.family,
+                weight_url_host=self.cfg.generator.inference_engine.vllm.weight_url_host,
             )
             clients = [make_client(url, options) for url in urls]
             try:

@@ -120,3 +120,38 @@ def test_a_push_changes_served_greedy_and_the_reported_version(vllm_server: Any)
     assert [r.response_ids for r in before] != [r.response_ids for r in after]
     assert all(r.policy_version == 200 for r in before)
     assert health["weight_version"] == "201" and health["policy_version"] == 201
+
+
+def test_a_push_the_server_pulls_over_http(vllm_server: Any) -> None:
+    """``URLBucketSender``: the workers fetch each bucket from the trainer's one-shot
+    URL (here on loopback; another host is the same request to another address), and
+    serve exactly what the same weights pushed as files serve."""
+    from inference.vllm.senders import URLBucketSender
+
+    first = _model(vllm_server.checkpoint)
+    second = _model(vllm_server.checkpoint, perturb_seed=1)
+
+    async def main() -> tuple[list[Any], list[Any]]:
+        async with (
+            VLLMClient(
+                vllm_server.url,
+                api_key=vllm_server.api_key,
+                retry=RETRY,
+                sender=URLBucketSender("127.0.0.1"),
+            ) as pulled,
+            VLLMClient(vllm_server.url, api_key=vllm_server.api_key, retry=RETRY) as files,
+        ):
+            await _push(pulled, second, 300)
+            by_url = await _serve_all(pulled)
+            await _push(files, first, 301)
+            await _push(files, second, 302)
+            by_file = await _serve_all(files)
+            await _push(files, first, 303)  # leave the fixture's weights served
+            return by_url, by_file
+
+    by_url, by_file = asyncio.run(main())
+    assert all(r.policy_version == 300 for r in by_url)
+    assert [r.response_ids for r in by_url] == [r.response_ids for r in by_file]
+    assert [r.logprobs for r in by_url] == [r.logprobs for r in by_file]
+    for prompt, result in zip(PROMPTS, by_url, strict=True):
+        _assert_greedy_matches(result.response_ids, second, prompt)

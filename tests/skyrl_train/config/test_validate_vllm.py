@@ -209,3 +209,16 @@ def test_remote_urls_rules(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> N
 def test_unknown_backend_is_refused_at_composition(tmp_path: Path) -> None:
     err = refusal([f"{ENGINE}.backend=sglang", f"trainer.run_dir={tmp_path / 'run'}"])
     assert err.path == f"{ENGINE}.backend" and "'vllm'" in str(err)
+
+
+def test_weight_url_host_needs_vllm_and_an_address(tmp_path: Path, cpu_build: str) -> None:
+    key = f"{ENGINE}.vllm.weight_url_host"
+    run = f"trainer.run_dir={tmp_path / 'run'}"
+    err = refusal([run, f"{key}=10.0.0.5"])
+    assert err.path == key and "backend=builtin" in str(err) and "'10.0.0.5'" in str(err)
+    err = refusal(vllm(cpu_build, *SERVABLE, *R2, f"{key}=' '", tmp_path=tmp_path))
+    assert err.path == key and "got ' '" in str(err)
+    for host in ("auto", "10.0.0.5"):
+        validate_cfg(
+            load_config(vllm(cpu_build, *SERVABLE, *R2, f"{key}={host}", tmp_path=tmp_path))
+        )

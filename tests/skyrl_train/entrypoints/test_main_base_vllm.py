@@ -5,7 +5,7 @@ build cannot capture routes (validation refuses R3: test_validate_vllm.py).
 
 Each vLLM server takes 33-58 s to start on 2 cores, so the tests are few: a sync run
 (launch-started server) beside the same run on the builtin engine, a fully async run
-against a server the test started itself (``remote_urls``), a server killed
+against a server the test started itself (``remote_urls``, weights pulled over HTTP), a server killed
 mid-run, and vLLM's MoE reload bug stopping a run at the served-weights check. Skipped when vLLM is not installed (scripts/install_vllm.sh).
 """
 
@@ -148,6 +148,9 @@ def test_fully_async_against_a_server_the_user_started(
                 f"{ENGINE}.backend=vllm",
                 f"{ENGINE}.remote_urls=[{server.url}]",
                 f"{ENGINE}.remote_api_key_env=SKYRL_TEST_VLLM_KEY",
+                # Weights pulled over HTTP from the trainer actor, as a server on another
+                # host would (auto: the actor's node address, loopback here).
+                f"{ENGINE}.vllm.weight_url_host=auto",
                 "trainer.fully_async.enabled=true",
                 "trainer.fully_async.max_staleness_steps=1",
                 "trainer.algorithm.use_tis=true",

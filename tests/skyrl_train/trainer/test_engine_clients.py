@@ -13,6 +13,7 @@ from inference.client import RemoteGenerateClient, RouteShape
 from inference.models.checkpoint import inspect_checkpoint
 from inference.models.tiny_checkpoint import write_tiny_checkpoint
 from inference.vllm.client import VLLMClient
+from inference.vllm.senders import FileBucketSender, URLBucketSender
 from skyrl_train.config import load_config
 from skyrl_train.trainer.engine_clients import ClientOptions, make_client
 from tests.inference.vllm_engine.fake_vllm import fake_vllm
@@ -32,6 +33,12 @@ def test_the_backend_picks_the_client() -> None:
     assert isinstance(vllm, VLLMClient)
     assert vllm.eos_token_ids == (7,) and vllm.route_shape == shape
     assert vllm.family == "mixtral"  # pushed weights get the names vLLM's Mixtral loads
+    assert isinstance(vllm._push.sender, FileBucketSender)  # the default: same host
+    pulled = make_client(
+        "http://127.0.0.1:1", ClientOptions(backend="vllm", weight_url_host="10.0.0.5")
+    )
+    assert isinstance(pulled, VLLMClient) and isinstance(pulled._push.sender, URLBucketSender)
+    assert pulled._push.sender.host == "10.0.0.5"
     with pytest.raises(ValueError, match=r"^generator.inference_engine.backend: expected"):
         ClientOptions(backend="sglang")
     assert "secret-key" not in repr(ClientOptions(api_key="secret-key"))
