@@ -24,6 +24,7 @@ from skyrl_train.algorithms.advantages import GROUPED_ESTIMATORS
 from skyrl_train.config.constraints import check_constraints, check_value
 from skyrl_train.config.model_source import model_architecture
 from skyrl_train.config.schema import (
+    InferenceEngineConfig,
     MegatronConfig,
     ModelConfig,
     PPOConfig,
@@ -377,6 +378,8 @@ def _check_engine_backend(cfg: PPOConfig) -> VLLMBuild | None:
             f"server takes weights in its own update request), got {host!r} with "
             f"backend={eng.backend}",
         )
+    if eng.backend == "vllm":
+        _refuse_builtin_engine_keys(eng)
     if eng.backend != "vllm" or eng.remote_urls:
         return None  # the user's own servers: their build is theirs to choose
     build = _vllm_build(eng.vllm.python)
@@ -401,6 +404,28 @@ def _check_engine_backend(cfg: PPOConfig) -> VLLMBuild | None:
             f"({_SOURCE}=old_policy) and replay off need no rollout routes), got true",
         )
     return build
+
+
+_BUILTIN_ENGINE_KEYS = {
+    "max_batch_size": "its own is max_num_seqs, set in vllm.engine_init_kwargs",
+    "batch_window_ms": "it batches continuously, with no window",
+    "batch_invariant": "this launcher has no switch for it",
+    "model_name": "its served_model_name goes in vllm.engine_init_kwargs",
+}
+"""Keys only the builtin engine reads, and what a vLLM user has instead."""
+
+
+def _refuse_builtin_engine_keys(eng: InferenceEngineConfig) -> None:
+    """A builtin-engine knob set with ``backend=vllm`` would be silently unused."""
+    defaults = InferenceEngineConfig()
+    for key, instead in _BUILTIN_ENGINE_KEYS.items():
+        value, default = getattr(eng, key), getattr(defaults, key)
+        if value != default:
+            raise ConfigValidationError(
+                f"{_ENGINE}.{key}",
+                f"expected the default {default!r} with {_ENGINE}.backend=vllm (only the "
+                f"builtin engine reads it; vLLM: {instead}), got {value!r}",
+            )
 
 
 def _vllm_build(python: str | None) -> VLLMBuild:

@@ -222,3 +222,21 @@ def test_weight_url_host_needs_vllm_and_an_address(tmp_path: Path, cpu_build: st
         validate_cfg(
             load_config(vllm(cpu_build, *SERVABLE, *R2, f"{key}={host}", tmp_path=tmp_path))
         )
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "hint"),
+    [
+        ("max_batch_size", "128", "max_num_seqs"),
+        ("batch_window_ms", "1.0", "continuously"),
+        ("batch_invariant", "false", "no switch"),
+        ("model_name", "mine", "served_model_name"),
+    ],
+)
+def test_builtin_engine_keys_are_refused_with_vllm(
+    tmp_path: Path, cpu_build: str, key: str, value: str, hint: str
+) -> None:
+    err = refusal(vllm(cpu_build, *SERVABLE, *R2, f"{ENGINE}.{key}={value}", tmp_path=tmp_path))
+    assert err.path == f"{ENGINE}.{key}" and hint in str(err) and "backend=vllm" in str(err)
+    # The same value is the builtin engine's to read.
+    validate_cfg(load_config([f"trainer.run_dir={tmp_path / 'run'}", f"{ENGINE}.{key}={value}"]))
