@@ -10,7 +10,6 @@ temperature, top_p and top_k rules are the engine's own (``check_temperature``,
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -186,9 +185,3 @@ def _int(value: Any, path: str, low: int, high: int) -> int:
     if type(value) is not int or not low <= value <= high:
         raise RequestValidationError(path, f"an int in [{low}, {high}]", value)
     return value
-
-
-def _number(value: Any, path: str) -> float:
-    if type(value) not in (int, float) or not math.isfinite(value):
-        raise RequestValidationError(path, "a finite number", value)
-    return float(value)

@@ -27,6 +27,7 @@ from inference.wire.fields import (
     pack_routed_experts,
     pack_sample_support,
     route_dtype_for,
+    route_filler,
 )
 from inference.wire.ndarray import PackedArrayKey, pack_ndarray, unpack_ndarray
 from inference.wire.npy import NpyField, decode_npy_field
@@ -60,5 +61,6 @@ __all__ = [
     "pack_routed_experts",
     "pack_sample_support",
     "route_dtype_for",
+    "route_filler",
     "unpack_ndarray",
 ]

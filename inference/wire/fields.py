@@ -15,6 +15,7 @@ from enum import Enum
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from inference.errors import WireError
 from inference.wire.ndarray import pack_ndarray, unpack_ndarray
@@ -44,6 +45,17 @@ def as_host_array(value: Any, *, path: str) -> np.ndarray:
             tensor = tensor.float()  # numpy has no bfloat16
         return tensor.cpu().numpy()
     raise TypeError(f"{path}: expected a numpy array or torch tensor, got {type(value).__name__}")
+
+
+def route_filler(topk: int, dtype: npt.DTypeLike) -> np.ndarray:
+    """The ``[topk]`` route row of a token without a recorded route: ``arange(topk)``.
+
+    A route row is ``[layers, topk]`` expert ids of one token, in a ``ROUTE_DTYPES``
+    dtype. Padding and uncaptured tokens still go through Megatron's dropless
+    dispatcher, which needs ``topk`` distinct experts per token; the one definition of
+    that row for the generator's traces, the collation and the trainer's re-layout.
+    """
+    return np.arange(topk, dtype=dtype)
 
 
 def route_dtype_for(max_id: int) -> np.dtype[Any]:

@@ -75,6 +75,11 @@ class EnvironmentConfig:
     """Passed to every environment's constructor as keyword arguments."""
 
 
+DATA_SUFFIXES = (".parquet", ".jsonl", ".json")
+"""The file kinds ``data.train_data`` and ``data.val_data`` take (``dataset.prompts``
+reads them)."""
+
+
 @dataclass
 class DataConfig:
     train_data: list[str] = field(default_factory=list)

@@ -24,6 +24,7 @@ from skyrl_train.algorithms.advantages import GROUPED_ESTIMATORS
 from skyrl_train.config.constraints import check_constraints, check_value
 from skyrl_train.config.model_source import model_architecture
 from skyrl_train.config.schema import (
+    DATA_SUFFIXES,
     InferenceEngineConfig,
     MegatronConfig,
     ModelConfig,
@@ -521,7 +522,6 @@ def _check_environment(cfg: PPOConfig) -> None:
 
 
 def _check_data(cfg: PPOConfig) -> None:
-    from skyrl_train.dataset.prompts import DATA_SUFFIXES
 
     for name in ("train_data", "val_data"):
         for i, path in enumerate(getattr(cfg.data, name)):

@@ -1,7 +1,11 @@
-"""The seam between batch preprocessing and the trainer."""
+"""The seam between batch preprocessing and the trainer: ``TrainingBatch`` and the
+plain row operations the driver and the workers both use on it (no Megatron import, so
+the driver can shard a batch without loading the worker)."""
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -33,7 +37,7 @@ class TrainingBatch:
     """[B, R] float32 sampled-token logprobs from the engine; None if not returned."""
     routed_experts: torch.Tensor | None = None
     """[B, S, L, K] in the widest sample dtype, aligned with ``sequences``; padding
-    and uncaptured rows hold ``dataset.routes.route_filler`` (``arange(K)``). None when
+    and uncaptured rows hold ``inference.wire.route_filler`` (``arange(K)``). None when
     R3 is off."""
     router_padding_mask: torch.Tensor | None = None
     """[B, S] bool, True on padding and uncaptured rows (not the loss mask: prompt and
@@ -54,3 +58,41 @@ class TrainingBatch:
     @property
     def num_actions(self) -> int:
         return int(self.response_mask.shape[1])
+
+
+def map_tensors(batch: TrainingBatch, fn: Callable[[torch.Tensor], torch.Tensor]) -> TrainingBatch:
+    """A copy of ``batch`` with ``fn`` applied to every tensor field (routes included)."""
+    values = {}
+    for f in dataclasses.fields(batch):
+        value = getattr(batch, f.name)
+        values[f.name] = fn(value) if isinstance(value, torch.Tensor) else value
+    return TrainingBatch(**values)
+
+
+def slice_batch(batch: TrainingBatch, start: int, stop: int) -> TrainingBatch:
+    """Rows ``[start, stop)`` of every per-row tensor (routes included)."""
+    return map_tensors(batch, lambda t: t[start:stop])
+
+
+def batch_to(batch: TrainingBatch, device: torch.device) -> TrainingBatch:
+    """Every tensor of ``batch`` on ``device`` (no copy for tensors already there)."""
+    return map_tensors(batch, lambda t: t.to(device))
+
+
+def shard_for_data_parallel_rank(
+    batch: TrainingBatch, *, rank: int, world_size: int
+) -> TrainingBatch:
+    """This data-parallel rank's contiguous block of rows, routes included.
+
+    The driver sends each rank only its own shard: broadcasting every route to every
+    rank is what ran other frameworks' hosts out of memory.
+    """
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank: expected in [0, {world_size}), got {rank}")
+    if batch.batch_size % world_size:
+        raise ValueError(
+            f"batch_size: expected a multiple of the data-parallel size {world_size}, "
+            f"got {batch.batch_size}"
+        )
+    per_rank = batch.batch_size // world_size
+    return slice_batch(batch, rank * per_rank, (rank + 1) * per_rank)

@@ -26,7 +26,7 @@ from typing import Any
 
 import skyrl_gym
 from skyrl_gym import Task
-from skyrl_train.config.schema import PPOConfig
+from skyrl_train.config.schema import DATA_SUFFIXES, PPOConfig
 from skyrl_train.errors import DatasetError
 
 __all__ = [
@@ -38,7 +38,6 @@ __all__ = [
     "sample_step",
 ]
 
-DATA_SUFFIXES = (".parquet", ".jsonl", ".json")
 _REQUIRED = ("prompt", "reward_spec")
 
 

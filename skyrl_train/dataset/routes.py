@@ -30,9 +30,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
-import numpy.typing as npt
 
-from inference.wire import ROUTE_DTYPES
+from inference.wire import ROUTE_DTYPES, route_filler
 from skyrl_train.errors import CollationError
 from skyrl_train.utils.parallel import check_workers, fill_batch_rows
 
@@ -41,23 +40,12 @@ __all__ = [
     "RouteCollator",
     "collate_routed_experts",
     "prepare_route_collation",
-    "route_filler",
 ]
 
 _FIELD = "routed_experts"
 # Small enough that a block's zeroed destination lines are still in L2 (512 KiB-2 MiB
 # per core); larger blocks measured no faster, smaller ones pay per-call overhead.
 _BLOCK_BYTES = 256 * 1024
-
-
-def route_filler(topk: int, dtype: npt.DTypeLike) -> np.ndarray:
-    """The ``[topk]`` route row of a token without a recorded route: ``arange(topk)``.
-
-    Padding and uncaptured tokens still go through Megatron's dropless dispatcher,
-    which needs ``topk`` distinct experts per token; the one definition of that row
-    for the traces, the collation and the trainer's re-layout.
-    """
-    return np.arange(topk, dtype=dtype)
 
 
 @dataclass(frozen=True)

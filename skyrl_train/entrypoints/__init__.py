@@ -1,0 +1,1 @@
+"""Command lines: ``main_base`` (a GRPO run with R3 on Ray, Hydra config)."""

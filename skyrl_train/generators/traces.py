@@ -24,7 +24,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from skyrl_train.dataset.routes import route_filler
+from inference.wire import route_filler
 from skyrl_train.errors import RouteTraceError
 
 _EMPTY_ROUTES_SHAPE = (0, 0, 0)

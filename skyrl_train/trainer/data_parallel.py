@@ -14,8 +14,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from skyrl_train.algorithms.metrics import StepMetrics, reduction_of
-from skyrl_train.dataset.batch import TrainingBatch
-from skyrl_train.workers.megatron.layout import map_tensors, shard_for_data_parallel_rank
+from skyrl_train.dataset.batch import TrainingBatch, map_tensors, shard_for_data_parallel_rank
 
 ROWS_KEY = "train/num_rows"
 """Rows a rank trained on; the default weight of its mean-reduced metrics (summed)."""

@@ -35,7 +35,7 @@ from skyrl_train.algorithms import (
     token_mean_entropy,
 )
 from skyrl_train.config.schema import PPOConfig
-from skyrl_train.dataset.batch import TrainingBatch
+from skyrl_train.dataset.batch import TrainingBatch, slice_batch
 from skyrl_train.trainer.data_parallel import ROWS_KEY
 from skyrl_train.trainer.finite import require_finite, require_finite_weights
 from skyrl_train.trainer.rank_state import (
@@ -46,7 +46,6 @@ from skyrl_train.trainer.rank_state import (
     save_rank_state,
 )
 from skyrl_train.trainer.weight_sync import WeightSyncer
-from skyrl_train.workers.megatron.layout import slice_batch
 from skyrl_train.workers.megatron.worker import MegatronPolicyWorker, OptimizerSettings
 
 
@@ -462,9 +461,6 @@ class PolicyTrainer:
             }
 
         return asyncio.run(push())
-
-    def engine_weights(self) -> dict[str, torch.Tensor]:
-        return {name: t.clone() for name, t in self.worker.export_weights()}
 
     def save_checkpoint(self, folder: str) -> None:
         """Each rank writes its own shard (its experts, optimizer state and RNGs) into

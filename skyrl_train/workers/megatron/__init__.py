@@ -16,7 +16,6 @@ warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine).*(not in
 # TransformerConfig's own default cuda_graph_scope trips its deprecation warning.
 warnings.filterwarnings("ignore", message=r"full scope is deprecated")
 
-from skyrl_train.workers.megatron.layout import shard_for_data_parallel_rank  # noqa: E402
 from skyrl_train.workers.megatron.worker import (  # noqa: E402
     ForwardResult,
     MegatronPolicyWorker,
@@ -29,5 +28,4 @@ __all__ = [
     "MegatronPolicyWorker",
     "OptimizerSettings",
     "TrainStepResult",
-    "shard_for_data_parallel_rank",
 ]

@@ -104,7 +104,3 @@ def apply_cpu_compat() -> bool:
         moe_utils.te_general_gemm = None
     _APPLIED = True
     return True
-
-
-def cpu_compat_applied() -> bool:
-    return _APPLIED

@@ -9,16 +9,14 @@ padded), and its routes move with it. Response token j of row b then sits at pos
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from inference.wire import route_filler
 from skyrl_train.algorithms.signals import token_entropy
 from skyrl_train.dataset.batch import TrainingBatch
-from skyrl_train.dataset.routes import route_filler
 
 
 @dataclass(frozen=True)
@@ -165,41 +163,3 @@ def _response_log_softmax(
     ).float()
     targets = layout.tokens.gather(1, target_pos).to(logits.device)
     return torch.log_softmax(picked, dim=-1), targets
-
-
-def map_tensors(batch: TrainingBatch, fn: Callable[[torch.Tensor], torch.Tensor]) -> TrainingBatch:
-    """A copy of ``batch`` with ``fn`` applied to every tensor field (routes included)."""
-    values = {}
-    for f in dataclasses.fields(batch):
-        value = getattr(batch, f.name)
-        values[f.name] = fn(value) if isinstance(value, torch.Tensor) else value
-    return TrainingBatch(**values)
-
-
-def slice_batch(batch: TrainingBatch, start: int, stop: int) -> TrainingBatch:
-    """Rows ``[start, stop)`` of every per-row tensor (routes included)."""
-    return map_tensors(batch, lambda t: t[start:stop])
-
-
-def batch_to(batch: TrainingBatch, device: torch.device) -> TrainingBatch:
-    """Every tensor of ``batch`` on ``device`` (no copy for tensors already there)."""
-    return map_tensors(batch, lambda t: t.to(device))
-
-
-def shard_for_data_parallel_rank(
-    batch: TrainingBatch, *, rank: int, world_size: int
-) -> TrainingBatch:
-    """This data-parallel rank's contiguous block of rows, routes included.
-
-    The driver sends each rank only its own shard: broadcasting every route to every
-    rank is what ran other frameworks' hosts out of memory.
-    """
-    if not 0 <= rank < world_size:
-        raise ValueError(f"rank: expected in [0, {world_size}), got {rank}")
-    if batch.batch_size % world_size:
-        raise ValueError(
-            f"batch_size: expected a multiple of the data-parallel size {world_size}, "
-            f"got {batch.batch_size}"
-        )
-    per_rank = batch.batch_size // world_size
-    return slice_batch(batch, rank * per_rank, (rank + 1) * per_rank)

@@ -31,13 +31,12 @@ from inference.models.architecture import MoEArchitecture
 from skyrl_train.algorithms.mismatch import RouterAgreement, router_agreement
 from skyrl_train.config.constraints import check_constraints
 from skyrl_train.config.schema import MegatronConfig
-from skyrl_train.dataset.batch import TrainingBatch
+from skyrl_train.dataset.batch import TrainingBatch, batch_to, slice_batch
 from skyrl_train.errors import ConfigValidationError, RouteReplayError
 from skyrl_train.workers.megatron import convert, replay
 from skyrl_train.workers.megatron.cpu_compat import apply_cpu_compat
 from skyrl_train.workers.megatron.layout import (
     ContiguousBatch,
-    batch_to,
     filler_rows,
     make_contiguous,
     pad_rows,
@@ -45,7 +44,6 @@ from skyrl_train.workers.megatron.layout import (
     response_logprobs_and_entropy,
     route_filler_tensor,
     shift_rows,
-    slice_batch,
 )
 from skyrl_train.workers.megatron.model import (
     MEGATRON_CONFIG_KEY,

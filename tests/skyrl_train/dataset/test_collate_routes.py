@@ -9,13 +9,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from inference.wire import ROUTE_DTYPES
+from inference.wire import ROUTE_DTYPES, route_filler
 from skyrl_train.dataset import routes as routes_module
-from skyrl_train.dataset.routes import (
-    collate_routed_experts,
-    prepare_route_collation,
-    route_filler,
-)
+from skyrl_train.dataset.routes import collate_routed_experts, prepare_route_collation
 from skyrl_train.errors import CollationError
 
 

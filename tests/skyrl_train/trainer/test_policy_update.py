@@ -16,9 +16,8 @@ import torch
 
 from skyrl_train.algorithms import gspo_policy_loss, kl_penalty, ppo_policy_loss, token_mean_entropy
 from skyrl_train.config.compose import load_config
-from skyrl_train.dataset.batch import TrainingBatch
+from skyrl_train.dataset.batch import TrainingBatch, slice_batch
 from skyrl_train.trainer.policy import PolicyTrainer
-from skyrl_train.workers.megatron.layout import slice_batch
 from skyrl_train.workers.megatron.worker import ForwardResult, TrainStepResult
 
 PROMPTS, N_SAMPLES, MINI_PROMPTS, WIDTH = 8, 2, 4, 5

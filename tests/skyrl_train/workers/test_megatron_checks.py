@@ -15,12 +15,9 @@ from inference.models.tiny_moe import TinyMoEConfig
 from skyrl_train.config import refuse_replay_incompatible
 from skyrl_train.config.schema import MegatronConfig
 from skyrl_train.config.validate import UNSUPPORTED_MEGATRON_SETTINGS
+from skyrl_train.dataset.batch import shard_for_data_parallel_rank
 from skyrl_train.errors import ConfigValidationError, RouteReplayError
-from skyrl_train.workers.megatron.layout import (
-    make_contiguous,
-    shard_for_data_parallel_rank,
-    shift_rows,
-)
+from skyrl_train.workers.megatron.layout import make_contiguous, shift_rows
 from skyrl_train.workers.megatron.model import build_transformer_config, transformer_config_kwargs
 from skyrl_train.workers.megatron.replay import DispatchCapture, LocalRouters, validate_routes
 from skyrl_train.workers.megatron.worker import MegatronPolicyWorker

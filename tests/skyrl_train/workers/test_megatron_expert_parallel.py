@@ -34,7 +34,8 @@ def _rank_main(rank: int, rendezvous: str) -> None:
         "gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=WORLD
     )
     try:
-        from skyrl_train.workers.megatron import MegatronPolicyWorker, shard_for_data_parallel_rank
+        from skyrl_train.dataset.batch import shard_for_data_parallel_rank
+        from skyrl_train.workers.megatron import MegatronPolicyWorker
 
         worker = MegatronPolicyWorker(
             ARCH,

@@ -1,0 +1,32 @@
+"""The driver shards and combines batches without loading the Megatron worker: its
+package runs import side effects (process-wide warning filters) and megatron-core
+itself, which the driver process never needs."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[3]
+
+
+def loaded_after(module: str) -> list[str]:
+    code = (
+        f"import json, sys; import {module}; "
+        "print(json.dumps(sorted(m for m in sys.modules "
+        "if m.startswith(('skyrl_train.workers', 'megatron')))))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True
+    )
+    return list(json.loads(done.stdout))
+
+
+def test_the_data_parallel_driver_does_not_import_the_worker() -> None:
+    assert loaded_after("skyrl_train.trainer.data_parallel") == []
+
+
+def test_the_batch_operations_do_not_import_the_worker() -> None:
+    assert loaded_after("skyrl_train.dataset.batch") == []
