@@ -15,7 +15,7 @@ rank files with torch.load(weights_only=True) and refuses format-1 files.
 Format-1 rank files (no rank_format_version) hold numpy's RNG state as pickled numpy
 objects; the conversion re-encodes it and Python's RNG state as plain data and keeps
 the model, optimizer and torch RNG states, the world size and the layout as they are
-(skyrl_train/trainer/rank_state.py). Rank files already in format 2 are copied
+(skyrl_train/runs/rank_state.py). Rank files already in format 2 are copied
 without unpickling; other files (driver.json) are copied byte for byte.
 
 Output: a new committed checkpoint folder DIR/step_NNNNNN (the input's step) with its
@@ -41,13 +41,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from skyrl_train.errors import SkyRLTrainError  # noqa: E402
-from skyrl_train.trainer.checkpoint import (  # noqa: E402
+from skyrl_train.runs.checkpoint import (  # noqa: E402
     begin_save,
     checkpoint_name,
     commit_save,
     verify_checkpoint,
 )
-from skyrl_train.trainer.rank_state import (  # noqa: E402
+from skyrl_train.runs.rank_state import (  # noqa: E402
     RngState,
     checkpoint_file,
     load_rank_state,

@@ -347,7 +347,7 @@ class TrainerConfig:
     ``latest`` resolved, once at launch before Ray starts. Resumed into the run_dir it
     came from, the run first drops the metrics lines of the steps after the
     checkpoint's (each step is logged once); into another run_dir, that folder must be
-    fresh (``skyrl_train.trainer.run_folder`` has the rules). One key, where SkyRL has
+    fresh (``skyrl_train.runs.folder`` has the rules). One key, where SkyRL has
     ``resume_mode`` and ``resume_path``: a pair can contradict itself (mode ``none``
     with a path, ``latest`` with a path elsewhere), and a launch would have to guess
     which one the user meant."""

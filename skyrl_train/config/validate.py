@@ -32,7 +32,7 @@ from skyrl_train.config.schema import (
     SamplingParamsConfig,
 )
 from skyrl_train.errors import ConfigValidationError
-from skyrl_train.trainer.run_folder import LATEST, check_run_dir
+from skyrl_train.runs.folder import LATEST, check_run_dir
 from skyrl_train.utils.tracking import check_trackers
 
 # TransformerConfig fields the pipeline sets itself. Setting them in
@@ -587,7 +587,7 @@ def _check_trainer(cfg: PPOConfig) -> None:
         )
     # A second run in one folder overwrites the first one's same-step checkpoints,
     # prunes its others and purges its TensorBoard events; resuming below later
-    # checkpoints deletes them too. Both are refused here (trainer.run_folder).
+    # checkpoints deletes them too. Both are refused here (runs.folder).
     check_run_dir(tr)
 
     alg, a = tr.algorithm, "trainer.algorithm"

@@ -70,11 +70,11 @@ def launch(cfg: PPOConfig) -> Iterator[Job]:
     from inference.models.checkpoint import inspect_checkpoint
     from skyrl_train.config.model_source import model_checkpoint
     from skyrl_train.dataset.prompts import load_datasets
+    from skyrl_train.runs.folder import claim_run_dir, resolve_resume
     from skyrl_train.trainer.engine_clients import ClientOptions
     from skyrl_train.trainer.engines import Engines
     from skyrl_train.trainer.loop import GRPOLoop
     from skyrl_train.trainer.policy_group import PolicyGroup
-    from skyrl_train.trainer.run_folder import claim_run_dir, resolve_resume
     from skyrl_train.utils.ray_session import require_cpus, start_ray
 
     validate_cfg(cfg)

@@ -8,7 +8,7 @@ A run owns the steps after the one it starts from: resumed into the folder it wa
 checkpointed from, it first drops the ``metrics.jsonl`` lines (and TensorBoard
 events) of the steps it is about to take again, so each step appears once; a fresh
 run (start step 0) replaces the folder's metrics. Checkpoints are written crash-safely
-and verified on resume (``checkpoint.py``); ``trainer.max_ckpts_to_keep`` bounds them.
+and verified on resume (``runs/checkpoint.py``); ``trainer.max_ckpts_to_keep`` bounds them.
 """
 
 from __future__ import annotations
@@ -47,16 +47,16 @@ from skyrl_train.dataset.prompts import PromptDatasets, load_datasets, sample_st
 from skyrl_train.generators.base import GeneratorInput, GeneratorOutput, concat_outputs
 from skyrl_train.generators.gym_generator import GymGenerator
 from skyrl_train.generators.rendering import ChatTemplateRenderer
-from skyrl_train.trainer import served_weights
-from skyrl_train.trainer.checkpoint import (
+from skyrl_train.runs.checkpoint import (
     DRIVER_FILE,
     begin_save,
     commit_save,
     prune_checkpoints,
     verify_checkpoint,
 )
+from skyrl_train.runs.folder import CHECKPOINTS_DIR
+from skyrl_train.trainer import served_weights
 from skyrl_train.trainer.engine_clients import ClientOptions, make_client
-from skyrl_train.trainer.run_folder import CHECKPOINTS_DIR
 from skyrl_train.utils.durable import write_file
 from skyrl_train.utils.tracking import MetricsTracker, format_metrics_line
 

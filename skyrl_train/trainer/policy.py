@@ -36,15 +36,15 @@ from skyrl_train.algorithms import (
 )
 from skyrl_train.config.schema import PPOConfig
 from skyrl_train.dataset.batch import TrainingBatch, slice_batch
-from skyrl_train.trainer.data_parallel import ROWS_KEY
-from skyrl_train.trainer.finite import require_finite, require_finite_weights
-from skyrl_train.trainer.rank_state import (
+from skyrl_train.runs.rank_state import (
     RngState,
     checkpoint_file,
     load_rank_state,
     rng_state,
     save_rank_state,
 )
+from skyrl_train.trainer.data_parallel import ROWS_KEY
+from skyrl_train.trainer.finite import require_finite, require_finite_weights
 from skyrl_train.trainer.weight_sync import WeightSyncer
 from skyrl_train.workers.megatron.worker import MegatronPolicyWorker, OptimizerSettings
 
@@ -466,7 +466,7 @@ class PolicyTrainer:
         """Each rank writes its own shard (its experts, optimizer state and RNGs) into
         the driver's temp folder (``checkpoint.begin_save``), fsynced before returning:
         the driver's manifest then vouches for bytes already on disk. Plain data only
-        (``rank_state``), so a resume never runs pickled code."""
+        (``runs.rank_state``), so a resume never runs pickled code."""
         assert self.worker.optimizer is not None
         state = {
             "world_size": self.info.world_size,

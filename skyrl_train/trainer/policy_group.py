@@ -6,7 +6,7 @@ meet in collectives (gradient all-reduce, expert all-gather), and their metrics 
 back as one dict (``data_parallel.combine_rank_metrics``). Weight export gathers
 experts over the EP group, so every rank exports and only rank 0 pushes to the
 servers. Checkpoints hold one file per rank, written into the driver's temp folder
-(``checkpoint.py`` makes the folder appear whole or not at all).
+(``runs/checkpoint.py`` makes the folder appear whole or not at all).
 """
 
 from __future__ import annotations

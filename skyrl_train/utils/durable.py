@@ -1,6 +1,6 @@
 """Writing files so that a crash leaves either the old bytes or the new, never half.
 
-Shared by checkpoints (``trainer/checkpoint.py``) and the metrics log
+Shared by checkpoints (``runs/checkpoint.py``) and the metrics log
 (``utils/tracking.py``): a file's bytes are fsynced before anything vouches for them,
 and a rename is durable only once the folder holding the new entry is synced.
 """

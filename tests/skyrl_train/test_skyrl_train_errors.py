@@ -13,7 +13,7 @@ from skyrl_train.errors import (
     DatasetError,
     SkyRLTrainError,
 )
-from skyrl_train.trainer.checkpoint import verify_checkpoint
+from skyrl_train.runs.checkpoint import verify_checkpoint
 from skyrl_train.utils.tracking import check_trackers
 from tests.error_tree import exception_classes
 

@@ -15,7 +15,7 @@ from skyrl_train.config import (
 )
 from skyrl_train.config.validate import UNSUPPORTED_MEGATRON_SETTINGS
 from skyrl_train.errors import ConfigValidationError
-from skyrl_train.trainer.checkpoint import DRIVER_FILE, begin_save, commit_save
+from skyrl_train.runs.checkpoint import DRIVER_FILE, begin_save, commit_save
 from skyrl_train.utils.durable import write_file
 
 POLICY = "trainer.policy.megatron_config"

@@ -19,7 +19,7 @@ from _e2e import SMALL, new_pids, ray_daemon_pids, with_overrides
 from skyrl_train.config.compose import load_config
 from skyrl_train.entrypoints.main_base import launch, run
 from skyrl_train.errors import CheckpointError, ConfigValidationError
-from skyrl_train.trainer.checkpoint import (
+from skyrl_train.runs.checkpoint import (
     DRIVER_FILE,
     begin_save,
     commit_save,
@@ -125,7 +125,7 @@ def test_resume_into_the_same_run_dir_logs_each_step_once(
     # As after a crash that cut step 3's save short of a valid manifest: latest skips
     # it, naming it, and resumes from step 2 into the same folder.
     (root / "step_000003" / "manifest.json").write_text("{")
-    with caplog.at_level(logging.WARNING, logger="skyrl_train.trainer.run_folder"):
+    with caplog.at_level(logging.WARNING, logger="skyrl_train.runs.folder"):
         resumed = run(load_config([*args, "trainer.resume_from=latest"]))
     assert f"skipping {root / 'step_000003'}: " in caplog.text
     assert len(resumed) == 1  # started after step 2: the resolved folder was loaded

@@ -16,8 +16,8 @@ import pytest
 from skyrl_train.config.compose import load_config
 from skyrl_train.entrypoints.main_base import launch
 from skyrl_train.errors import ConfigValidationError
-from skyrl_train.trainer.checkpoint import DRIVER_FILE, begin_save, commit_save
-from skyrl_train.trainer.run_folder import run_artefacts
+from skyrl_train.runs.checkpoint import DRIVER_FILE, begin_save, commit_save
+from skyrl_train.runs.folder import run_artefacts
 from skyrl_train.utils.durable import write_file
 from skyrl_train.utils.tracking import read_metrics
 from tests.folder_snapshot import snapshot
@@ -140,7 +140,7 @@ def test_a_second_fresh_launch_into_a_tensorboard_run_is_refused_before_ray(
     assert (run_dir / "checkpoints" / "step_000001").is_dir()
     assert any((run_dir / "tensorboard").iterdir())
     assert not (run_dir / "metrics.jsonl").exists()
-    # Every entry the run left is one the guard knows (trainer.run_folder.RUN_ARTEFACTS).
+    # Every entry the run left is one the guard knows (runs.folder.RUN_ARTEFACTS).
     known = {path.relative_to(run_dir).parts[0] for path, _ in run_artefacts(run_dir)}
     assert known == {p.name for p in run_dir.iterdir()}
     before = snapshot(run_dir)

@@ -10,13 +10,13 @@ import torch
 
 from skyrl_train.dataset.batch import TrainingBatch
 from skyrl_train.errors import CheckpointError, ConfigValidationError
+from skyrl_train.runs.rank_state import checkpoint_file, load_rank_state, save_rank_state
 from skyrl_train.trainer.data_parallel import (
     combine_rank_metrics,
     mini_batch_order,
     mini_batch_token_counts,
     shard_mini_batches,
 )
-from skyrl_train.trainer.rank_state import checkpoint_file, load_rank_state, save_rank_state
 
 
 def _batch(rows: int, *, seq: int = 6, actions: int = 3, layers: int = 2, k: int = 2):

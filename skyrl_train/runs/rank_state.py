@@ -3,7 +3,7 @@ written and read without running pickled code.
 
 A rank file is a ``torch.save`` of a dict of plain data only (tensors, numbers,
 strings, None, and lists, tuples and dicts of them), read back with
-``torch.load(weights_only=True)``. The folder's manifest (``trainer/checkpoint.py``)
+``torch.load(weights_only=True)``. The folder's manifest (``runs/checkpoint.py``)
 cannot stand in for that: it is an unsigned hash list that whoever hands over a
 checkpoint folder can recompute, so a full unpickle of a shared or downloaded
 checkpoint would run whatever code its author put in it, in every trainer rank.
@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from skyrl_train.errors import CheckpointError, ConfigValidationError
-from skyrl_train.trainer.checkpoint import RESUME_KEY
+from skyrl_train.runs.checkpoint import RESUME_KEY
 from skyrl_train.utils.durable import write_file
 
 RANK_FORMAT_KEY = "rank_format_version"

@@ -21,9 +21,9 @@ import torch
 from inference.models.tiny_moe import TinyMoEConfig
 from skyrl_train.config.compose import load_config
 from skyrl_train.errors import CheckpointError
-from skyrl_train.trainer.checkpoint import DRIVER_FILE, begin_save, commit_save, verify_checkpoint
+from skyrl_train.runs.checkpoint import DRIVER_FILE, begin_save, commit_save, verify_checkpoint
 from skyrl_train.trainer.policy import PolicyTrainer
-from skyrl_train.trainer.rank_state import (
+from skyrl_train.runs.rank_state import (
     CONVERT_SCRIPT,
     RANK_FORMAT_KEY,
     RANK_FORMAT_VERSION,

@@ -15,8 +15,8 @@ import pytest
 from skyrl_train.config.compose import load_config
 from skyrl_train.config.validate import validate_cfg
 from skyrl_train.errors import ConfigValidationError
-from skyrl_train.trainer.checkpoint import DRIVER_FILE, MANIFEST_FILE, begin_save, commit_save
-from skyrl_train.trainer.run_folder import (
+from skyrl_train.runs.checkpoint import DRIVER_FILE, MANIFEST_FILE, begin_save, commit_save
+from skyrl_train.runs.folder import (
     MARKER_FILE,
     RUN_ARTEFACTS,
     claim_run_dir,
@@ -149,7 +149,7 @@ def test_latest_picks_the_newest_checkpoint_that_verifies_naming_each_skipped(
     before = snapshot(tmp_path)
     cfg = _cfg(tmp_path, "trainer.resume_from=latest")
     validate_cfg(cfg)
-    with caplog.at_level(logging.WARNING, logger="skyrl_train.trainer.run_folder"):
+    with caplog.at_level(logging.WARNING, logger="skyrl_train.runs.folder"):
         resolved = resolve_resume(cfg)
     assert resolved.trainer.resume_from == str(step4)
     assert cfg.trainer.resume_from == "latest"  # the caller's config is not changed

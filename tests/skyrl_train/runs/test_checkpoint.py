@@ -19,8 +19,8 @@ import torch
 from skyrl_train.config.compose import load_config
 from skyrl_train.config.validate import validate_cfg
 from skyrl_train.errors import CheckpointError, ConfigValidationError, NonFiniteError
-from skyrl_train.trainer import checkpoint as ckpt
-from skyrl_train.trainer.checkpoint import (
+from skyrl_train.runs import checkpoint as ckpt
+from skyrl_train.runs.checkpoint import (
     DRIVER_FILE,
     MANIFEST_FILE,
     begin_save,
@@ -31,7 +31,7 @@ from skyrl_train.trainer.checkpoint import (
     verify_resume,
 )
 from skyrl_train.trainer.loop import GRPOLoop
-from skyrl_train.trainer.rank_state import checkpoint_file, load_rank_state, save_rank_state
+from skyrl_train.runs.rank_state import checkpoint_file, load_rank_state, save_rank_state
 from skyrl_train.utils.durable import write_file
 
 REPO = Path(__file__).resolve().parents[3]
@@ -247,7 +247,7 @@ def test_a_save_killed_between_two_files_leaves_the_previous_checkpoint_whole(
         f"""
         import sys, time
         from pathlib import Path
-        from skyrl_train.trainer.checkpoint import begin_save
+        from skyrl_train.runs.checkpoint import begin_save
         from skyrl_train.utils.durable import write_file
         folder = begin_save(Path({str(tmp_path)!r}), step=2)
         write_file(folder / "policy_rank0.pt", b"x" * 4096)

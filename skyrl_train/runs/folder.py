@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from skyrl_train.errors import ConfigValidationError
-from skyrl_train.trainer.checkpoint import (
+from skyrl_train.runs.checkpoint import (
     RESUME_KEY,
     check_world_size,
     list_checkpoints,

@@ -145,7 +145,7 @@ def prune_checkpoints(root: Path, *, keep: int | None, current_step: int) -> lis
     earliest in this run's history: checkpoints with a higher step were left by a run
     this one resumed from an earlier step (their metrics lines were dropped too), so
     they go first, then the lowest steps. The launch lets a run resume below them only
-    with ``trainer.overwrite_later_checkpoints`` (``trainer.run_folder``).
+    with ``trainer.overwrite_later_checkpoints`` (``runs.folder``).
     """
     if keep is None or keep < 0:
         return []
@@ -276,7 +276,7 @@ def verify_checkpoint(
 
 def verify_resume(cfg: PPOConfig) -> Checkpoint | None:
     """The launch-time check of ``trainer.resume_from`` (None when not resuming), a
-    checkpoint folder (``latest`` is resolved first: ``trainer.run_folder``): the whole
+    checkpoint folder (``latest`` is resolved first: ``runs.folder``): the whole
     folder against its manifest, and the world size it was saved at."""
     if not cfg.trainer.resume_from:
         return None
