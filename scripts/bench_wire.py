@@ -24,7 +24,7 @@ Paths (each returns what a client keeps: the parsed document and the decoded arr
           ours moves them to the oldest generation (gc.freeze/unfreeze, ~0 ms).
           And it decodes each blob right after finding its closing quote, while the
           blob is still in cache; load_packed_body must return the base64 as views
-          (DESIGN §3) and decoding happens later, from memory: the same floor in that
+          (docs/design.md §2) and decoding happens later, from memory: the same floor in that
           order is ~6 ms slower on the lean body (measured), i.e. slower than ours.
 
 Timing: the three paths run interleaved, one call each per round, so load drift on a

@@ -1,6 +1,6 @@
 """``RemoteGenerateClient``: raw generate requests to an inference server over HTTP.
 
-Error taxonomy (DESIGN §4), decided per attempt:
+Error taxonomy (docs/design.md §3), decided per attempt:
 
 - connection refused/reset, server disconnect, per-attempt timeout, a truncated or
   otherwise undecodable body with a non-4xx status (an HTML 502 from a gateway): retried

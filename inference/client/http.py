@@ -1,5 +1,5 @@
 """What every HTTP client of an inference server shares: the session, one request with
-the retry taxonomy and a reply cap (DESIGN §4), and batches of generate calls.
+the retry taxonomy and a reply cap (docs/design.md §3), and batches of generate calls.
 
 ``RemoteGenerateClient`` (our server) and ``VLLMClient`` (a stock vLLM server) differ in
 their request and reply formats, not in how a request is sent, retried or read.

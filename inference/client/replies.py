@@ -1,4 +1,4 @@
-"""Classifying one HTTP reply: retry it, raise it, or parse it (DESIGN §4).
+"""Classifying one HTTP reply: retry it, raise it, or parse it (docs/design.md §3).
 
 - 429 / 503: ``RetryLater`` carrying ``Retry-After``; the status error if retries end;
 - any other error status with a JSON body: ``GenerateHTTPError`` with the server's

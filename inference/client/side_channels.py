@@ -2,7 +2,7 @@
 
 Row counts are checked here because the client is the one that knows the prompt:
 a server that ignores ``routed_experts_prompt_start`` and returns the whole prefix
-would otherwise misalign every later turn's routes silently (DESIGN §5).
+would otherwise misalign every later turn's routes silently (docs/design.md §4).
 """
 
 from __future__ import annotations

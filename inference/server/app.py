@@ -30,7 +30,7 @@ Routes
 
     With ``return_packed_body`` the choice's ``token_ids`` and ``logprobs`` are null
     and ``packed_token_ids`` ([G] int32) and ``packed_logprobs`` ([G] float32) carry
-    them as envelopes. Envelopes follow DESIGN §3. Logprobs that are missing or not finite are sent as
+    them as envelopes (docs/design.md §2). Logprobs that are missing or not finite are sent as
     -9999.0 and counted in ``num_clamped_logprobs`` (and in ``/health``).
 ``POST /inference/v1/generate``
     The same without side channels: a ``return_*`` key that asks for one is refused

@@ -1,4 +1,4 @@
-"""One engine output -> the JSON reply bytes of a generate route (DESIGN §3)."""
+"""One engine output -> the JSON reply bytes of a generate route (docs/design.md §2)."""
 
 from __future__ import annotations
 

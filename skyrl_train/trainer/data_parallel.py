@@ -4,7 +4,7 @@ The driver collates and pads the whole batch once, then cuts it by rows, so ever
 rank's shard has the same number of rows and the same padded widths: with expert
 parallelism all ranks of an EP group gather each other's tokens, so they must run
 the same number of microbatches of the same shape. Each rank receives only its own
-shard (DESIGN §7: broadcasting every route to every rank ran hosts out of memory).
+shard (docs/design.md §5: broadcasting every route to every rank ran hosts out of memory).
 """
 
 from __future__ import annotations
