@@ -22,7 +22,7 @@ import skyrl_gym
 from skyrl_train.config.constraints import check_constraints
 from skyrl_train.config.schema import GeneratorConfig, SamplingParamsConfig
 from skyrl_train.config.validate import check_sampling_params
-from skyrl_train.errors import ConfigValidationError, RouteTraceError
+from skyrl_train.errors import RouteTraceError
 from skyrl_train.generators.base import GeneratorInput, GeneratorOutput, reported_solved
 from skyrl_train.generators.rendering import ChatTemplateRenderer, ObservationRenderer
 from skyrl_train.generators.traces import RoutedExpertTrace
@@ -115,9 +115,8 @@ class GymGenerator:
         ``stop_token_ids``: None means the renderer's end-of-turn token."""
         self.clients = list(clients) if isinstance(clients, Sequence) else [clients]
         if not self.clients:
-            raise ConfigValidationError(
-                "generator.clients", "expected at least one client, got none"
-            )
+            # A caller's mistake, not a config key: no key holds the clients.
+            raise ValueError("clients: expected at least one client, got none")
         # A node built in Python skipped launch validation: refuse it here, not mid-run.
         check_constraints(config, prefix="generator")
         sampling = "eval_sampling_params" if evaluation else "sampling_params"

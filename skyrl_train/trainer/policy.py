@@ -13,10 +13,7 @@ With several ranks each one runs this on its own shard of the batch
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import os
-import socket
-import tempfile
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,7 +43,8 @@ from skyrl_train.runs.rank_state import (
 from skyrl_train.trainer.data_parallel import ROWS_KEY
 from skyrl_train.trainer.finite import require_finite, require_finite_weights
 from skyrl_train.trainer.weight_sync import WeightSyncer
-from skyrl_train.workers.megatron.worker import MegatronPolicyWorker, OptimizerSettings
+from skyrl_train.utils.ray_session import rendezvous_url
+from skyrl_train.workers.megatron.worker import MegatronPolicyWorker
 
 
 def checkpoint_weights(folder: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
@@ -104,30 +102,12 @@ class PolicyTrainer:
         """This rank's initial parameters (``trainer.ref``); None when neither the KL
         metric nor the KL loss needs them."""
         self.info = RankInfo(rank=0, world_size=1, dp_rank=0, dp_size=1, ep_size=1)
-        self.syncer = WeightSyncer(
-            mode=cfg.trainer.weight_sync.mode, max_threads=cfg.trainer.weight_sync.max_threads
-        )
+        self.syncer = WeightSyncer.from_config(cfg.trainer.weight_sync)
 
     def rendezvous(self) -> str:
-        """Where the other ranks meet rank 0: a torch ``init_method`` URL.
-
-        On a local Ray (node address on loopback, so every rank is on this machine) a
-        file in a fresh private folder: no TCP store, which would listen on every
-        interface, and no free-port probe to race. On a cluster, this node's address
-        and a port probed free on it.
-        """
-        import ray
-
-        node_ip = ray.util.get_node_ip_address()
-        if ipaddress.ip_address(node_ip).is_loopback:
-            folder = tempfile.mkdtemp(prefix="skyrl-rendezvous-")
-            return f"file://{folder}/store"
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            # Probed then released: gloo binds it moments later, a small race that a
-            # TCP rendezvous cannot avoid.
-            sock.bind(("", 0))
-            port = int(sock.getsockname()[1])
-        return f"tcp://{node_ip}:{port}"
+        """Where the other ranks meet rank 0 (``ray_session.rendezvous_url``); a method
+        of rank 0's actor because it must run on rank 0's node."""
+        return rendezvous_url()
 
     def setup(self, *, rank: int = 0, world_size: int = 1, init_method: str = "env://") -> RankInfo:
         """Join the process group and build the worker; returns this rank's place."""
@@ -141,17 +121,11 @@ class PolicyTrainer:
             os.environ["GLOO_SOCKET_IFNAME"] = "lo"
         if world_size > 1 and not torch.distributed.is_initialized():
             init_distributed(rank=rank, world_size=world_size, init_method=init_method)
-        cfg, opt = self.cfg, self.cfg.trainer.policy.optimizer_config
+        cfg = self.cfg
         self.worker = MegatronPolicyWorker(
             inspect_checkpoint(self.checkpoint).architecture,
             cfg.trainer.policy.megatron_config,
-            optimizer=OptimizerSettings(
-                lr=opt.lr,
-                weight_decay=opt.weight_decay,
-                betas=(opt.adam_betas[0], opt.adam_betas[1]),
-                max_grad_norm=opt.max_grad_norm,
-                num_warmup_steps=opt.num_warmup_steps,
-            ),
+            optimizer=cfg.trainer.policy.optimizer_config,
             seed=cfg.trainer.seed,
             pad_token_id=self.pad_token_id,
         ).setup()

@@ -27,6 +27,7 @@ import torch
 
 from inference.client.protocol import WeightUpdateClient
 from inference.engine.base import check_policy_version
+from skyrl_train.config.schema import WeightSyncConfig
 from skyrl_train.utils.cpu_topology import pool_workers
 from skyrl_train.utils.parallel import fill_batch_rows
 
@@ -67,6 +68,11 @@ class WeightSyncer:
         # every other pool here, so it does not oversubscribe a node shared with Ray.
         self.workers = pool_workers(cap=max_threads, reserved=0)
         self._sent: dict[str, torch.Tensor] = {}
+
+    @classmethod
+    def from_config(cls, node: WeightSyncConfig) -> WeightSyncer:
+        """The syncer ``trainer.weight_sync`` describes (bucket size: the default)."""
+        return cls(mode=node.mode, max_threads=node.max_threads)
 
     async def push(
         self,

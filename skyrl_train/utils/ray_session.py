@@ -21,6 +21,8 @@ from __future__ import annotations
 import ipaddress
 import logging
 import os
+import socket
+import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -130,3 +132,25 @@ def require_cpus(requests: Mapping[str, tuple[int, float]], *, local: bool) -> N
     raise ConfigValidationError(
         max(requests, key=lambda k: requests[k][0] * requests[k][1]), reason
     )
+
+
+def rendezvous_url() -> str:
+    """A torch ``init_method`` URL where a job's other ranks meet this process.
+
+    On a local Ray (node address on loopback, so every rank is on this machine) a file
+    in a fresh private folder: no TCP store, which would listen on every interface,
+    and no free-port probe to race. On a cluster, this node's address and a port
+    probed free on it.
+    """
+    import ray
+
+    node_ip = ray.util.get_node_ip_address()
+    if ipaddress.ip_address(node_ip).is_loopback:
+        folder = tempfile.mkdtemp(prefix="skyrl-rendezvous-")
+        return f"file://{folder}/store"
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        # Probed then released: gloo binds it moments later, a small race that a
+        # TCP rendezvous cannot avoid.
+        sock.bind(("", 0))
+        port = int(sock.getsockname()[1])
+    return f"tcp://{node_ip}:{port}"

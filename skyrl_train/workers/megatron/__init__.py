@@ -19,13 +19,11 @@ warnings.filterwarnings("ignore", message=r"full scope is deprecated")
 from skyrl_train.workers.megatron.worker import (  # noqa: E402
     ForwardResult,
     MegatronPolicyWorker,
-    OptimizerSettings,
     TrainStepResult,
 )
 
 __all__ = [
     "ForwardResult",
     "MegatronPolicyWorker",
-    "OptimizerSettings",
     "TrainStepResult",
 ]

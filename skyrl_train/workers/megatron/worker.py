@@ -30,7 +30,7 @@ import torch
 from inference.models.architecture import MoEArchitecture
 from skyrl_train.algorithms.mismatch import RouterAgreement, router_agreement
 from skyrl_train.config.constraints import check_constraints
-from skyrl_train.config.schema import MegatronConfig
+from skyrl_train.config.schema import MegatronConfig, OptimizerConfig
 from skyrl_train.dataset.batch import TrainingBatch, batch_to, slice_batch
 from skyrl_train.errors import ConfigValidationError, RouteReplayError
 from skyrl_train.workers.megatron import convert, replay
@@ -60,17 +60,8 @@ EntropyLossFn = Callable[[torch.Tensor, TrainingBatch, torch.Tensor], torch.Tens
 """``loss_fn(logprobs [b, R], microbatch, entropy [b, R]) -> scalar`` (``entropy=True``)."""
 
 
-@dataclass(frozen=True)
-class OptimizerSettings:
-    lr: float = 1e-5
-    weight_decay: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-8
-    max_grad_norm: float = 1.0
-    """<= 0 disables clipping."""
-    num_warmup_steps: int = 0
-    """Optimizer steps over which the learning rate rises linearly to ``lr``: step i
-    (from 1) uses ``lr * min(1, i / num_warmup_steps)``; 0 keeps it constant."""
+ADAM_EPS = 1e-8
+"""AdamW's epsilon (torch's and megatron-core's default); no config key sets it."""
 
 
 @dataclass
@@ -124,7 +115,7 @@ class MegatronPolicyWorker:
         architecture: MoEArchitecture,
         megatron_config: MegatronConfig,
         *,
-        optimizer: OptimizerSettings | None = None,
+        optimizer: OptimizerConfig | None = None,
         seed: int = 0,
         pad_token_id: int = 0,
     ) -> None:
@@ -132,7 +123,9 @@ class MegatronPolicyWorker:
         check_constraints(megatron_config, prefix=MEGATRON_CONFIG_KEY)
         self.architecture = architecture
         self.megatron_config = megatron_config
-        self.optimizer_settings = optimizer or OptimizerSettings()
+        self.optimizer_config = optimizer if optimizer is not None else OptimizerConfig()
+        """``trainer.policy.optimizer_config``; a ``max_grad_norm`` <= 0 (tests only: the
+        schema wants > 0) disables clipping."""
         self.seed = seed
         self.pad_token_id = pad_token_id
         self.model: Any = None
@@ -162,13 +155,14 @@ class MegatronPolicyWorker:
                 f"expected MoE layers {list(self.architecture.moe_layers)} (the "
                 f"checkpoint's), got {list(self.routers.moe_layers)}",
             )
-        opt = self.optimizer_settings
+        opt = self.optimizer_config
+        beta1, beta2 = opt.adam_betas
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(),
             lr=opt.lr,
             weight_decay=opt.weight_decay,
-            betas=opt.betas,
-            eps=opt.eps,
+            betas=(beta1, beta2),
+            eps=ADAM_EPS,
         )
         return self
 
@@ -489,7 +483,7 @@ class MegatronPolicyWorker:
         return self._pipeline.sum_over_stages(torch.cat(parts))
 
     def _warmed_up_lr(self, optimizer: torch.optim.Optimizer) -> float:
-        opt = self.optimizer_settings
+        opt = self.optimizer_config
         if opt.num_warmup_steps <= 0:
             return opt.lr
         # AdamW's own step count: a resumed run loads it with the optimizer state, so
@@ -609,7 +603,7 @@ class MegatronPolicyWorker:
             )
         # Each stage holds its own layers: the squares add up over the pipeline group.
         norm = math.sqrt(float(self._pipeline.sum_over_stages(dense_sq + expert_sq)))
-        limit = self.optimizer_settings.max_grad_norm
+        limit = self.optimizer_config.max_grad_norm
         if limit > 0 and norm > limit:
             scale = limit / (norm + 1e-6)
             for p in params:

@@ -462,3 +462,9 @@ def test_solved_comes_from_step_metadata(tokenizer):
         assert out.solved is None
     finally:
         skyrl_gym.unregister("gen_test_solve")
+
+
+@pytest.mark.parametrize("clients", [[], ()])
+def test_no_clients_is_refused_as_a_callers_mistake(tokenizer, clients):
+    with pytest.raises(ValueError, match=r"^clients: expected at least one client, got none$"):
+        generator(clients, tokenizer, config())

@@ -35,7 +35,8 @@ from skyrl_train.runs.rank_state import (
     save_rank_state,
 )
 from skyrl_train.utils.durable import write_file
-from skyrl_train.workers.megatron import MegatronPolicyWorker, OptimizerSettings
+from skyrl_train.config.schema import OptimizerConfig
+from skyrl_train.workers.megatron import MegatronPolicyWorker
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -179,7 +180,7 @@ def _trainer(tmp_path: Path) -> PolicyTrainer:
     trainer.worker = MegatronPolicyWorker(
         TinyMoEConfig().architecture(),
         cfg.trainer.policy.megatron_config,
-        optimizer=OptimizerSettings(lr=1e-2),
+        optimizer=OptimizerConfig(lr=1e-2),
     ).setup()
     return trainer
 

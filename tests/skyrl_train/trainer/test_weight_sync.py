@@ -157,3 +157,10 @@ def test_a_versioned_push_in_several_buckets_lands_whole_on_a_real_server() -> N
     assert health["counters"]["weight_updates"] == 1  # one load, however many buckets
     assert served.keys() == pushed.keys()
     assert all(torch.equal(served[name], pushed[name]) for name in pushed)
+
+
+def test_the_syncer_from_its_config_node() -> None:
+    from skyrl_train.config.schema import WeightSyncConfig
+
+    syncer = WeightSyncer.from_config(WeightSyncConfig(mode="delta", max_threads=1))
+    assert syncer.mode == "delta" and syncer.workers == 1

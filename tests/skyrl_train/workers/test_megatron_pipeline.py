@@ -69,7 +69,8 @@ def _modified(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def _worker(vpp: int | None, kwargs: dict[str, Any], *, pp: int = STAGES) -> Any:
-    from skyrl_train.workers.megatron import MegatronPolicyWorker, OptimizerSettings
+    from skyrl_train.config.schema import OptimizerConfig
+    from skyrl_train.workers.megatron import MegatronPolicyWorker
 
     # lr=0: a train step leaves the weights as loaded, so one worker serves every check.
     return MegatronPolicyWorker(
@@ -80,7 +81,7 @@ def _worker(vpp: int | None, kwargs: dict[str, Any], *, pp: int = STAGES) -> Any
             virtual_pipeline_model_parallel_size=vpp,
             transformer_config_kwargs=kwargs,
         ),
-        optimizer=OptimizerSettings(lr=0.0, max_grad_norm=0.0),
+        optimizer=OptimizerConfig(lr=0.0, max_grad_norm=0.0),
         pad_token_id=PAD_ID,
     ).setup()
 

@@ -12,8 +12,9 @@ from _megatron_batches import PAD_ID, make_batch, random_routes
 
 from inference.models.tiny_moe import TinyMoEConfig
 from skyrl_train.config.compose import load_config
+from skyrl_train.config.schema import OptimizerConfig
 from skyrl_train.trainer.policy import PolicyTrainer
-from skyrl_train.workers.megatron import MegatronPolicyWorker, OptimizerSettings
+from skyrl_train.workers.megatron import MegatronPolicyWorker
 
 CFG = TinyMoEConfig()
 L, E, K = CFG.num_layers, CFG.num_experts, CFG.num_experts_per_tok
@@ -39,7 +40,7 @@ def _trainer(tmp_path: Path) -> PolicyTrainer:
     trainer.worker = MegatronPolicyWorker(
         CFG.architecture(),
         cfg.trainer.policy.megatron_config,
-        optimizer=OptimizerSettings(lr=3e-2),
+        optimizer=OptimizerConfig(lr=3e-2),
         pad_token_id=PAD_ID,
     ).setup()
     return trainer

@@ -9,9 +9,9 @@ import torch
 from _megatron_batches import PAD_ID, make_batch, random_routes
 
 from inference.models.tiny_moe import TinyMoEConfig, build_hf_model
-from skyrl_train.config.schema import MegatronConfig
+from skyrl_train.config.schema import MegatronConfig, OptimizerConfig
 from skyrl_train.errors import RouteReplayError
-from skyrl_train.workers.megatron import MegatronPolicyWorker, OptimizerSettings
+from skyrl_train.workers.megatron import MegatronPolicyWorker
 
 CFG = TinyMoEConfig()
 ARCH = CFG.architecture()
@@ -27,7 +27,7 @@ def _grads(batch, kwargs: dict) -> tuple[MegatronPolicyWorker, dict[str, torch.T
     worker = MegatronPolicyWorker(
         ARCH,
         MegatronConfig(moe_enable_routing_replay=True, transformer_config_kwargs=kwargs),
-        optimizer=OptimizerSettings(lr=0.0, max_grad_norm=0.0),
+        optimizer=OptimizerConfig(lr=0.0, max_grad_norm=0.0),
         pad_token_id=PAD_ID,
     ).setup()
     worker.load_weights(build_hf_model(CFG, seed=1).state_dict().items())

@@ -11,8 +11,8 @@ from _megatron_batches import PAD_ID, make_batch, random_routes
 
 from inference.models.tiny_moe import TinyMoEConfig
 from skyrl_train.algorithms import token_mean_entropy
-from skyrl_train.config.schema import MegatronConfig
-from skyrl_train.workers.megatron import MegatronPolicyWorker, OptimizerSettings
+from skyrl_train.config.schema import MegatronConfig, OptimizerConfig
+from skyrl_train.workers.megatron import MegatronPolicyWorker
 
 CFG = TinyMoEConfig()
 L, E, K = CFG.num_layers, CFG.num_experts, CFG.num_experts_per_tok
@@ -24,7 +24,7 @@ def worker() -> MegatronPolicyWorker:
     return MegatronPolicyWorker(
         CFG.architecture(),
         MegatronConfig(moe_enable_routing_replay=True),
-        optimizer=OptimizerSettings(lr=1e-2),
+        optimizer=OptimizerConfig(lr=1e-2),
         pad_token_id=PAD_ID,
     ).setup()
 

@@ -11,8 +11,8 @@ import torch
 from _megatron_batches import PAD_ID, make_batch, random_routes
 
 from inference.models.tiny_moe import TinyMoEConfig
-from skyrl_train.config.schema import MegatronConfig
-from skyrl_train.workers.megatron import MegatronPolicyWorker, OptimizerSettings
+from skyrl_train.config.schema import MegatronConfig, OptimizerConfig
+from skyrl_train.workers.megatron import MegatronPolicyWorker
 
 # Megatron builds top-1 only with its pre-softmax router, i.e. norm_topk_prob=False.
 CFG = TinyMoEConfig(num_experts_per_tok=1, norm_topk_prob=False)
@@ -25,7 +25,7 @@ def test_a_top1_layer_routing_every_token_to_expert_0_trains_a_step() -> None:
     worker = MegatronPolicyWorker(
         CFG.architecture(),
         MegatronConfig(moe_enable_routing_replay=True),
-        optimizer=OptimizerSettings(lr=1e-3),
+        optimizer=OptimizerConfig(lr=1e-3),
         pad_token_id=PAD_ID,
     ).setup()
     prompts, responses = [[72, 105], [40, 41, 42]], [[50, 51], [70, 71, 72]]

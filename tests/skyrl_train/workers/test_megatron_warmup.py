@@ -9,8 +9,8 @@ import torch
 from _megatron_batches import PAD_ID, make_batch
 
 from inference.models.tiny_moe import TinyMoEConfig
-from skyrl_train.config.schema import MegatronConfig
-from skyrl_train.workers.megatron import MegatronPolicyWorker, OptimizerSettings
+from skyrl_train.config.schema import MegatronConfig, OptimizerConfig
+from skyrl_train.workers.megatron import MegatronPolicyWorker
 
 CFG = TinyMoEConfig()
 LR = 1e-2
@@ -21,7 +21,7 @@ def _worker(warmup: int) -> MegatronPolicyWorker:
     return MegatronPolicyWorker(
         CFG.architecture(),
         MegatronConfig(moe_enable_routing_replay=False),
-        optimizer=OptimizerSettings(lr=LR, num_warmup_steps=warmup),
+        optimizer=OptimizerConfig(lr=LR, num_warmup_steps=warmup),
         pad_token_id=PAD_ID,
     ).setup()
 

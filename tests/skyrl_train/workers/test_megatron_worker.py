@@ -13,9 +13,9 @@ from inference.engine.base import EngineRequest, SamplingParams
 from inference.engine.hf_engine import HFMoEEngine
 from inference.models.tiny_moe import TinyMoEConfig, build_hf_model
 from inference.models.tokenizer import build_byte_tokenizer
-from skyrl_train.config.schema import MegatronConfig
+from skyrl_train.config.schema import MegatronConfig, OptimizerConfig
 from skyrl_train.errors import RouteReplayError
-from skyrl_train.workers.megatron import MegatronPolicyWorker, OptimizerSettings
+from skyrl_train.workers.megatron import MegatronPolicyWorker
 from skyrl_train.workers.megatron.cpu_compat import apply_cpu_compat
 from skyrl_train.workers.megatron.model import causal_attention_mask
 
@@ -30,7 +30,7 @@ def worker() -> MegatronPolicyWorker:
     w = MegatronPolicyWorker(
         ARCH,
         MegatronConfig(moe_enable_routing_replay=True),
-        optimizer=OptimizerSettings(lr=1e-3),
+        optimizer=OptimizerConfig(lr=1e-3),
         pad_token_id=PAD_ID,
     ).setup()
     return w
