@@ -75,7 +75,8 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch loads: see README (35x slower)
+# Before torch loads: see docs/testing.md (35x slower).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import orjson  # noqa: E402
 import torch  # noqa: E402

@@ -256,8 +256,8 @@ class GymGenerator:
                 routed_experts_prompt_start=None if trace is None else trace.prompt_start,
                 # A routed reply is spliced anyway; with ids and logprobs as envelopes
                 # too it parses in 0.12x the time of the lean body's naive parse, the
-                # lean body's splice in 0.37x (scripts/bench_wire.py, README). vLLM
-                # cannot send them (its client refuses the option).
+                # lean body's splice in 0.37x (scripts/bench_wire.py, docs/performance.md).
+                # vLLM cannot send them (its client refuses the option).
                 return_packed_body=trace is not None and client.supports_packed_body,
             )
         except Exception as exc:

@@ -1,7 +1,7 @@
 """What vLLM's ``--api-key`` guards (its ``AuthenticationMiddleware``: paths under
 ``/v1``, ``/v2``, ``/inference``, ``/cohere``) and what it leaves open: the RL weight
-routes the trainer pushes through. The README's warning that a remote vLLM server
-must sit on a trusted network rests on this test."""
+routes the trainer pushes through. The warning in docs/vllm.md that a remote vLLM
+server must sit on a trusted network rests on this test."""
 
 from __future__ import annotations
 

@@ -260,7 +260,7 @@ def test_parse_config_refuses_unknown_keys_and_non_mappings() -> None:
 def test_the_readme_preset_command_validates_once_its_files_exist(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # README, "Bring your own data": make_checkpoint + make_arith_dataset, then
+    # README, "Bring your own checkpoint and data": make_checkpoint + make_arith_dataset, then
     # model=qwen3_moe_tiny data=arith environment=gsm8k from the same folder.
     monkeypatch.chdir(tmp_path)
     for script, args in (

@@ -372,7 +372,7 @@ def test_env_kwargs_the_environment_does_not_take_are_refused_before_launch() ->
     validate_cfg(
         load_config(["environment.env_class=guess_number", "+environment.kwargs.max_turns=3"])
     )
-    # The README's guess_number preset (the settings that took it furthest).
+    # The guess_number preset of docs/configuration.md (the settings that took it furthest).
     preset = load_config(["environment=guess_number"])
     validate_cfg(preset)
     assert preset.environment.env_class == "guess_number"
