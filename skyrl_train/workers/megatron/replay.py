@@ -150,8 +150,8 @@ def validate_routes(
     row. A layer the engine never captured cannot be told from its ids (with top-1,
     every token of a short trajectory can really go to expert 0), so it is refused
     where the routes are made: ``RouteCapture.end()`` (``inference/engine/capture.py``)
-    raises when a layer's hook did not fire in a forward, as ``recorded_routes`` does
-    for a router that recorded nothing (R2).
+    raises when a layer's hook did not fire in a forward, as ``DispatchCapture`` does
+    for a router that dispatched nothing (R2).
     """
     names = list(trajectory_ids) if trajectory_ids is not None else None
 
@@ -249,41 +249,20 @@ class KeyedReplay:
 
 
 @contextmanager
-def replay_session(routers: LocalRouters, *, record: bool = False) -> Iterator[None]:
+def replay_session(routers: LocalRouters) -> Iterator[None]:
     """One schedule's use of the routers: refuse a stale registry, start from clean
-    state and leave clean state, an exception included. ``record``: RECORD mode."""
-    from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
-
+    state and leave clean state, an exception included."""
     if not routers.replay_enabled:
-        verb = "record" if record else "replay"
         raise RouteReplayError(
-            f"moe_enable_routing_replay: expected True on the built model to {verb} "
-            f"routes, got False"
+            "moe_enable_routing_replay: expected True on the built model to replay "
+            "routes, got False"
         )
     check_registry(routers)
     clear_replay_state()
     try:
-        if record:
-            RouterReplay.set_global_router_replay_action(RouterReplayAction.RECORD)
         yield
     finally:
         clear_replay_state()
-
-
-def recorded_routes(
-    routers: LocalRouters, chunk: int, *, batch: int, seq: int
-) -> dict[int, torch.Tensor]:
-    """RECORD mode's top-k of ``chunk``'s routers after its forward: local router index
-    -> ``[B, S, K]`` (router order), as ``DispatchCapture.got`` holds a microbatch."""
-    out = {}
-    for i, (module, c) in enumerate(zip(routers.modules, routers.chunks, strict=True)):
-        if c != chunk:
-            continue
-        recorded = module.router_replay.get_recorded_indices()
-        if recorded is None:
-            raise RouteReplayError("RouterReplay RECORD: expected a forward to run first, got none")
-        out[i] = recorded.reshape(seq, batch, -1).transpose(0, 1)
-    return out
 
 
 class DispatchCapture:

@@ -17,8 +17,6 @@ every rank sees all MoE layers.
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import math
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -35,24 +33,22 @@ from skyrl_train.dataset.batch import TrainingBatch, batch_to, slice_batch
 from skyrl_train.errors import ConfigValidationError, RouteReplayError
 from skyrl_train.workers.megatron import convert, replay
 from skyrl_train.workers.megatron.cpu_compat import apply_cpu_compat
-from skyrl_train.workers.megatron.layout import (
-    ContiguousBatch,
-    filler_rows,
-    make_contiguous,
-    pad_rows,
-    response_logprobs,
-    response_logprobs_and_entropy,
-    route_filler_tensor,
-    shift_rows,
-)
+from skyrl_train.workers.megatron.gradients import average_data_parallel_grads, clip_grad_norm
+from skyrl_train.workers.megatron.layout import response_logprobs, response_logprobs_and_entropy
 from skyrl_train.workers.megatron.model import (
     MEGATRON_CONFIG_KEY,
     build_model_chunks,
     build_transformer_config,
-    causal_attention_mask,
     init_parallel_state,
 )
 from skyrl_train.workers.megatron.pipeline import PipelineGroup
+from skyrl_train.workers.megatron.schedule import (
+    Head,
+    Microbatches,
+    ReplayDriverFactory,
+    gather_routes,
+    run_schedule,
+)
 
 LossFn = Callable[[torch.Tensor, TrainingBatch], torch.Tensor]
 """``loss_fn(logprobs [b, R], microbatch) -> scalar``."""
@@ -77,15 +73,6 @@ class ForwardResult:
 
 
 @dataclass
-class _ScheduleOutput:
-    logprobs: torch.Tensor | None = None
-    entropy: torch.Tensor | None = None
-    losses: torch.Tensor | None = None
-    """[M] each real microbatch's loss (forward and backward only)."""
-    routes: torch.Tensor | None = None
-
-
-@dataclass
 class TrainStepResult:
     loss: float
     """Mean of the microbatch losses."""
@@ -105,7 +92,7 @@ class MegatronPolicyWorker:
     ``trainer.policy.megatron_config`` node, then ``setup()``. Routes are
     ``[B, S, L_moe, K]``: MoE layers only, every stage's."""
 
-    replay_driver: Callable[[replay.LocalRouters, Sequence[torch.Tensor]], Any] = replay.KeyedReplay
+    replay_driver: ReplayDriverFactory = replay.KeyedReplay
     """Builds the schedule's replay driver from the routers and each microbatch's
     routes; its ``arm(chunk, microbatch)`` runs before a chunk's forward and
     ``on_backward(chunk, microbatch)`` when the gradient reaches that chunk's output."""
@@ -231,54 +218,30 @@ class MegatronPolicyWorker:
         ``entropy=True`` also returns each response position's full-vocabulary entropy.
         """
         do_replay = self._check_replay(batch, replay_routes, trajectory_ids)
-        micro = list(self._microbatches(batch, micro_batch_size))
+        batches = self._prepare(batch, micro_batch_size)
+        logprobs: list[torch.Tensor | None] = [None] * batches.count
+        entropies: list[torch.Tensor | None] = [None] * batches.count
+
+        def keep(m: int, logits: torch.Tensor) -> torch.Tensor:
+            lp, ent = _response(logits, batches, m, entropy=entropy)
+            logprobs[m] = lp.cpu()
+            entropies[m] = ent.cpu() if ent is not None else None
+            return torch.zeros(())
+
         self._require_model().eval()
         with torch.no_grad():
-            out = self._schedule(
-                micro, loss_fn=None, do_replay=do_replay, capture=capture_routes, entropy=entropy
+            routes = self._run(
+                batches, head=keep, forward_only=True, replay=do_replay, capture=capture_routes
             )
-        assert out.logprobs is not None
+        # Under pipelining only the last stage computed these.
+        shapes = [(mb.batch_size, mb.response_mask.shape[1]) for mb in batches.micro]
+        got = self._pipeline.tensors_from_last_stage(logprobs, shapes)
+        ents = self._pipeline.tensors_from_last_stage(entropies, shapes) if entropy else None
         return ForwardResult(
-            logprobs=out.logprobs,
-            routes=out.routes if capture_routes else None,
-            entropy=out.entropy if entropy else None,
+            logprobs=torch.cat(got),
+            routes=routes,
+            entropy=torch.cat(ents) if ents is not None else None,
         )
-
-    def forward_logprobs(self, batch: TrainingBatch, **options: Any) -> torch.Tensor:
-        """``forward(batch, **options).logprobs``: ``[B, R]`` fp32."""
-        return self.forward(batch, **options).logprobs
-
-    def record_routes(
-        self, batch: TrainingBatch, *, micro_batch_size: int | None = None
-    ) -> torch.Tensor:
-        """The trainer's own top-k (Megatron RECORD mode, router order) as
-        ``[B, S, L_moe, K]`` in the batch layout; needs replay enabled on the model."""
-        micro = list(self._microbatches(batch, micro_batch_size))
-        self._require_model().eval()
-        with torch.no_grad():
-            out = self._schedule(
-                micro, loss_fn=None, do_replay=False, capture=False, entropy=False, record=True
-            )
-        assert out.routes is not None
-        return out.routes
-
-    def router_agreement(
-        self,
-        batch: TrainingBatch,
-        *,
-        replay_routes: bool,
-        micro_batch_size: int | None = None,
-    ) -> float:
-        """Share of real token-layer selections (router_padding_mask False) where the
-        trainer dispatched to the same experts as the rollout's routes."""
-        result = self.forward(
-            batch,
-            micro_batch_size=micro_batch_size,
-            replay_routes=replay_routes,
-            capture_routes=True,
-        )
-        assert result.routes is not None
-        return self.rollout_router_agreement(batch, result.routes).agreement
 
     def rollout_router_agreement(
         self, batch: TrainingBatch, routes: torch.Tensor
@@ -315,14 +278,26 @@ class MegatronPolicyWorker:
         model, optimizer = self._require_model(), self.optimizer
         assert optimizer is not None
         do_replay = self._check_replay(batch, replay_routes, trajectory_ids)
-        micro = list(self._microbatches(batch, micro_batch_size))
+        batches = self._prepare(batch, micro_batch_size)
+        losses = torch.zeros(batches.count, dtype=torch.float64)
+
+        def loss(m: int, logits: torch.Tensor) -> torch.Tensor:
+            lp, ent = _response(logits, batches, m, entropy=entropy)
+            extra = (ent,) if ent is not None else ()
+            value = loss_fn(lp, batch_to(batches.micro[m], lp.device), *extra)  # type: ignore[arg-type]
+            losses[m] = float(value.detach())
+            return value
+
         model.train()
         optimizer.zero_grad(set_to_none=True)
-        out = self._schedule(
-            micro, loss_fn=loss_fn, do_replay=do_replay, capture=capture_routes, entropy=entropy
+        routes = self._run(
+            batches, head=loss, forward_only=False, replay=do_replay, capture=capture_routes
         )
-        self._sync_gradients()
-        grad_norm = self._clip_gradients()
+        params = list(model.parameters())
+        average_data_parallel_grads(params)
+        grad_norm = clip_grad_norm(
+            params, max_norm=self.optimizer_config.max_grad_norm, pipeline=self._pipeline
+        )
         # A NaN norm passes the clip (NaN > limit is False) and AdamW would write NaN
         # into every parameter it touches; skipped, the weights stay as they were and
         # the trainer stops the run on the reported norm (trainer/finite.py).
@@ -331,156 +306,43 @@ class MegatronPolicyWorker:
             for group in optimizer.param_groups:
                 group["lr"] = lr
             optimizer.step()
-        assert out.losses is not None
         return TrainStepResult(
-            loss=float(out.losses.mean()),
+            loss=float(self._pipeline.from_last_stage(losses).mean()),
             grad_norm=grad_norm,
-            num_microbatches=len(micro),
+            num_microbatches=batches.count,
             replayed=do_replay,
             lr=lr,
-            routes=out.routes if capture_routes else None,
+            routes=routes,
         )
 
     # ---- the schedule -----------------------------------------------------------------
 
-    def _schedule(
-        self,
-        micro: list[TrainingBatch],
-        *,
-        loss_fn: LossFn | EntropyLossFn | None,
-        do_replay: bool,
-        capture: bool,
-        entropy: bool,
-        record: bool = False,
-    ) -> _ScheduleOutput:
-        """Run ``micro`` through Megatron's schedule for this parallel layout.
+    def _prepare(self, batch: TrainingBatch, size: int | None) -> Microbatches:
+        size = size or batch.batch_size
+        if size < 1:
+            raise ValueError(f"micro_batch_size: expected a positive int, got {size}")
+        micro = [
+            slice_batch(batch, start, min(start + size, batch.batch_size))
+            for start in range(0, batch.batch_size, size)
+        ]
+        return Microbatches.prepare(micro, self._pipeline, pad_token_id=self.pad_token_id)
 
-        ``loss_fn=None``: forward only, keeping each microbatch's logprobs (and
-        entropy); otherwise forward and backward, keeping each microbatch's loss. The
-        microbatches' count and shape are padded as the pipeline needs (a padding
-        microbatch's loss is a zero that keeps the graph).
-        """
-        from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
-
+    def _run(
+        self, batches: Microbatches, *, head: Head, forward_only: bool, replay: bool, capture: bool
+    ) -> torch.Tensor | None:
+        """``run_schedule`` on this rank's chunks; the captured routes as
+        ``[B, S, L_moe, K]`` in the batch layout when ``capture``."""
         routers = self._require_routers()
-        layouts = [make_contiguous(mb, pad_token_id=self.pad_token_id) for mb in micro]
-        count, rows = len(micro), max(mb.batch_size for mb in micro)
-        inputs, total = layouts, count
-        if self._pipeline.size > 1:
-            inputs = [pad_rows(layout, rows, pad_token_id=self.pad_token_id) for layout in layouts]
-            total = self._pipeline.padded_count(count)
-            blank = filler_rows(layouts[0], rows, pad_token_id=self.pad_token_id)
-            inputs = inputs + [blank] * (total - count)
-        # Megatron divides each microbatch's loss by the (padded) count; the worker's
-        # contract is a mean over the real ones.
-        scale = total / count
-        logprobs: list[torch.Tensor | None] = [None] * count
-        entropies: list[torch.Tensor | None] = [None] * count
-        losses = torch.zeros(count, dtype=torch.float64)
-        recorded: dict[int, dict[int, torch.Tensor]] = {}  # as DispatchCapture.got
-        driver = None
-        if do_replay:  # _check_replay saw routes, so every layout has them
-            driver = self.replay_driver(routers, [_routes_of(layout) for layout in inputs])
-        capturer = replay.DispatchCapture(routers) if capture else None
-
-        def loss_func(m: int, logits: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
-            if m >= count:
-                return logits.sum() * 0.0, {}
-            mb, layout = micro[m], layouts[m]
-            logits = logits[: mb.batch_size]
-            extra: tuple[torch.Tensor, ...] = ()
-            if entropy:
-                lp, ent = response_logprobs_and_entropy(logits, layout, mb.response_mask)
-                extra = (ent,)
-            else:
-                lp = response_logprobs(logits, layout, mb.response_mask)
-            if loss_fn is None:
-                logprobs[m] = lp.cpu()
-                entropies[m] = extra[0].cpu() if extra else None
-                return torch.zeros(()), {}
-            loss = loss_fn(lp, batch_to(mb, lp.device), *extra)  # type: ignore[arg-type]
-            losses[m] = float(loss.detach())
-            return loss * scale, {}
-
-        def forward_step(data: Iterator[tuple[int, int]], model: Any) -> tuple[Any, Any]:
-            chunk, m = next(data)
-            layout = inputs[m]
-            batch_rows, seq = layout.tokens.shape
-            if driver is not None:
-                driver.arm(chunk, m)
-            if capturer is not None:
-                capturer.begin(m, batch=batch_rows, seq=seq)
-            try:
-                output = self._chunk_forward(model, layout)
-            finally:
-                if capturer is not None:
-                    capturer.end()
-            if record:
-                recorded.setdefault(m, {}).update(
-                    replay.recorded_routes(routers, chunk, batch=batch_rows, seq=seq)
-                )
-            if driver is not None and output.requires_grad:
-                output.register_hook(lambda _grad: driver.on_backward(chunk, m))
-            return output, functools.partial(loss_func, m)
-
-        chunks = self._require_chunks()
-        iterators = [iter([(c, m) for m in range(total)]) for c in range(len(chunks))]
-        session = (
-            replay.replay_session(routers, record=record)
-            if do_replay or record
-            else contextlib.nullcontext()
+        got = run_schedule(
+            self._require_chunks(),
+            routers,
+            batches,
+            head=head,
+            forward_only=forward_only,
+            replay_driver=self.replay_driver if replay else None,
+            capture=capture,
         )
-        try:
-            with session:
-                get_forward_backward_func()(
-                    forward_step_func=forward_step,
-                    data_iterator=iterators if len(chunks) > 1 else iterators[0],
-                    model=chunks if len(chunks) > 1 else chunks[0],
-                    num_microbatches=total,
-                    seq_length=inputs[0].tokens.shape[1],
-                    micro_batch_size=rows,
-                    forward_only=loss_fn is None,
-                )
-        finally:
-            if capturer is not None:
-                capturer.close()
-        routes = None
-        if capturer is not None or record:
-            per_router = capturer.got if capturer is not None else recorded
-            routes = self._gather_routes(micro, layouts, per_router)
-        if loss_fn is not None:
-            return _ScheduleOutput(losses=self._pipeline.from_last_stage(losses), routes=routes)
-        shapes = [(mb.batch_size, mb.response_mask.shape[1]) for mb in micro]
-        got = self._pipeline.tensors_from_last_stage(logprobs, shapes)
-        ents = self._pipeline.tensors_from_last_stage(entropies, shapes) if entropy else None
-        return _ScheduleOutput(
-            logprobs=torch.cat(got),
-            entropy=torch.cat(ents) if ents is not None else None,
-            routes=routes,
-        )
-
-    def _gather_routes(
-        self,
-        micro: list[TrainingBatch],
-        layouts: list[ContiguousBatch],
-        got: Mapping[int, Mapping[int, torch.Tensor]],
-    ) -> torch.Tensor:
-        """``[B, S, L_moe, K]`` in the batch layout from each microbatch's per-router
-        ``[b_padded, S, K]``: every stage fills its own MoE layers, the pipeline group
-        sums the rest in (disjoint layers, zeros elsewhere)."""
-        routers = self._require_routers()
-        parts = []
-        for m, (mb, layout) in enumerate(zip(micro, layouts, strict=True)):
-            local = torch.stack(
-                [got[m][i][: mb.batch_size] for i in range(len(routers.modules))], dim=2
-            )
-            local = self._to_batch_layout(local, layout)
-            full = torch.zeros(
-                *local.shape[:2], routers.num_layers, local.shape[3], dtype=local.dtype
-            )
-            full[:, :, list(routers.route_layers)] = local
-            parts.append(full)
-        return self._pipeline.sum_over_stages(torch.cat(parts))
+        return gather_routes(routers, self._pipeline, batches, got) if got is not None else None
 
     def _warmed_up_lr(self, optimizer: torch.optim.Optimizer) -> float:
         opt = self.optimizer_config
@@ -534,83 +396,12 @@ class MegatronPolicyWorker:
         )
         return True
 
-    def _microbatches(self, batch: TrainingBatch, size: int | None) -> Iterator[TrainingBatch]:
-        size = size or batch.batch_size
-        if size < 1:
-            raise ValueError(f"micro_batch_size: expected a positive int, got {size}")
-        for start in range(0, batch.batch_size, size):
-            yield slice_batch(batch, start, min(start + size, batch.batch_size))
 
-    def _chunk_forward(self, chunk: Any, layout: ContiguousBatch) -> torch.Tensor:
-        """One model chunk's forward: logits ``[b, S, V]`` on the last stage, hidden
-        states ``[S, b, H]`` elsewhere (a later stage reads its input from the
-        schedule's ``set_input_tensor``, not from the tokens)."""
-        rows, seq = layout.tokens.shape
-        device = next(chunk.parameters()).device
-        # Megatron ignores position_ids for RoPE; they are passed because the
-        # signature requires them. padding_mask: GPTModel.forward (0.16) takes [B, S]
-        # and hands it, transposed, to every router, where True means *padding* (the
-        # z-loss and aux-loss code invert it; the router docstring says the opposite,
-        # the code wins). It only masks aux/z losses and expert-bias counts; padding
-        # rows still get replayed (arange(K)), since the dropless dispatcher needs
-        # tokens*K routes.
-        positions = torch.arange(seq, device=device)[None, :].expand(rows, seq)
-        return chunk(
-            layout.tokens.to(device),
-            positions,
-            causal_attention_mask(seq, device=device),
-            padding_mask=layout.padding_mask.to(device),
-        )
-
-    def _to_batch_layout(self, routes: torch.Tensor, layout: ContiguousBatch) -> torch.Tensor:
-        filler = route_filler_tensor(routes)
-        return shift_rows(routes, -layout.shifts, filler)
-
-    def _sync_gradients(self) -> None:
-        from megatron.core import parallel_state
-
-        dp_size = parallel_state.get_data_parallel_world_size()
-        if dp_size == 1:
-            return
-        dense_group = parallel_state.get_data_parallel_group()
-        expert_group = parallel_state.get_expert_data_parallel_group()
-        for param in self._require_model().parameters():
-            if param.grad is None:
-                continue
-            is_expert = not getattr(param, "allreduce", True)
-            group = expert_group if is_expert else dense_group
-            if torch.distributed.get_world_size(group) > 1:
-                torch.distributed.all_reduce(param.grad, group=group)
-            param.grad.div_(dp_size)
-
-    def _clip_gradients(self) -> float:
-        """Global L2 norm (expert shards summed over the EP group, stages over the
-        pipeline group), then clip."""
-        from megatron.core import parallel_state
-
-        dense_sq = torch.zeros((), dtype=torch.float64)
-        expert_sq = torch.zeros((), dtype=torch.float64)
-        params = [p for p in self._require_model().parameters() if p.grad is not None]
-        for p in params:
-            sq = p.grad.detach().double().pow(2).sum().cpu()
-            if getattr(p, "allreduce", True):
-                dense_sq += sq
-            else:
-                expert_sq += sq
-        if parallel_state.get_expert_model_parallel_world_size() > 1:
-            torch.distributed.all_reduce(
-                expert_sq, group=parallel_state.get_expert_model_parallel_group()
-            )
-        # Each stage holds its own layers: the squares add up over the pipeline group.
-        norm = math.sqrt(float(self._pipeline.sum_over_stages(dense_sq + expert_sq)))
-        limit = self.optimizer_config.max_grad_norm
-        if limit > 0 and norm > limit:
-            scale = limit / (norm + 1e-6)
-            for p in params:
-                p.grad.mul_(scale)
-        return norm
-
-
-def _routes_of(layout: ContiguousBatch) -> torch.Tensor:
-    assert layout.routes is not None
-    return layout.routes
+def _response(
+    logits: torch.Tensor, batches: Microbatches, m: int, *, entropy: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Microbatch ``m``'s response logprobs ``[b, R]`` and, with ``entropy``, entropy."""
+    layout, mask = batches.layouts[m], batches.micro[m].response_mask
+    if entropy:
+        return response_logprobs_and_entropy(logits, layout, mask)
+    return response_logprobs(logits, layout, mask), None

@@ -48,7 +48,7 @@ def _rank_main(rank: int, rendezvous: str) -> None:
 
         # Expert-parallel forward equals the HF model on this rank's rows.
         shard = shard_for_data_parallel_rank(_full_batch(False), rank=rank, world_size=WORLD)
-        got = worker.forward_logprobs(shard)
+        got = worker.forward(shard).logprobs
         assert (got - hf_response_logprobs(hf, shard)).abs().max().item() <= 1e-4
 
         # Replay of random routes: every real token and layer dispatches as given.

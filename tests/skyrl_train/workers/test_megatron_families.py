@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 from _megatron_batches import make_batch, random_routes
+from _megatron_oracles import record_routes, router_agreement
 
 from inference.engine.base import EngineRequest, SamplingParams
 from inference.engine.hf_engine import HFMoEEngine
@@ -164,14 +165,14 @@ def test_engine_routes_equal_megatron_record_and_replay_agrees(case: Case) -> No
     assert batch.routed_experts is not None
     engine_sets = batch.routed_experts.sort(-1).values
 
-    recorded = case.worker.record_routes(batch)
+    recorded = record_routes(case.worker, batch)
     assert recorded.shape == batch.routed_experts.shape  # [B, S, L_moe, K]
     assert torch.equal(recorded.sort(-1).values[real], engine_sets[real])
 
     replayed = case.worker.forward(batch, replay_routes=True, capture_routes=True).routes
     assert replayed is not None
     assert torch.equal(replayed[real], engine_sets[real])
-    assert case.worker.router_agreement(batch, replay_routes=True) == 1.0
+    assert router_agreement(case.worker, batch, replay_routes=True) == 1.0
 
 
 def test_replay_puts_each_route_layer_into_its_own_moe_layer(case: Case) -> None:

@@ -262,9 +262,9 @@ def _rank_checks(rank: int, vpp: int | None, out: Path) -> dict[str, Any]:
     # Per-stage checkpoint, as trainer/policy.py saves and loads one per rank.
     torch.save(recompute.model.state_dict(), out / f"checkpoint.{rank}.pt")
     fresh = _worker(vpp, RECOMPUTE)
-    results["fresh_logprobs"] = fresh.forward_logprobs(batch, micro_batch_size=MICRO)
+    results["fresh_logprobs"] = fresh.forward(batch, micro_batch_size=MICRO).logprobs
     fresh.model.load_state_dict(torch.load(out / f"checkpoint.{rank}.pt", weights_only=True))
-    results["restored_logprobs"] = fresh.forward_logprobs(batch, micro_batch_size=MICRO)
+    results["restored_logprobs"] = fresh.forward(batch, micro_batch_size=MICRO).logprobs
 
     # Loading: the other stage's tensors are passed over, this stage's are taken.
     modified = _modified(hf_state)
@@ -289,7 +289,7 @@ def _rank_checks(rank: int, vpp: int | None, out: Path) -> dict[str, Any]:
     other = _worker(None if vpp else 2, {})
     other.load_weights(hf_state.items())
     results["other_schedule_chunks"] = len(other.chunks)
-    results["other_schedule_logprobs"] = other.forward_logprobs(batch, micro_batch_size=MICRO)
+    results["other_schedule_logprobs"] = other.forward(batch, micro_batch_size=MICRO).logprobs
     return results
 
 

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 from _megatron_batches import PAD_ID, hf_response_logprobs, make_batch, random_routes
+from _megatron_oracles import record_routes, router_agreement
 
 from inference.engine.base import EngineRequest, SamplingParams
 from inference.engine.hf_engine import HFMoEEngine
@@ -110,7 +111,7 @@ def test_bad_weight_names_and_shapes_are_refused(worker, hf_model) -> None:
 def test_left_padded_logprobs_match_hf_on_unpadded_rows(worker, hf_model) -> None:
     worker.load_weights(hf_model.state_dict().items())
     batch = _text_batch()
-    got = worker.forward_logprobs(batch, micro_batch_size=2)
+    got = worker.forward(batch, micro_batch_size=2).logprobs
     assert got.shape == (3, 5)
     assert (got - hf_response_logprobs(hf_model, batch)).abs().max().item() <= 1e-4
     assert torch.all(got[batch.response_mask == 0] == 0)
@@ -121,7 +122,7 @@ def test_forward_entropy_matches_hf_on_response_positions(worker, hf_model) -> N
     batch = _text_batch()
     result = worker.forward(batch, micro_batch_size=2, entropy=True)
     assert result.entropy is not None and result.entropy.shape == (3, 5)
-    assert torch.equal(result.logprobs, worker.forward_logprobs(batch, micro_batch_size=2))
+    assert torch.equal(result.logprobs, worker.forward(batch, micro_batch_size=2).logprobs)
     width = batch.sequences.shape[1] - batch.num_actions
     with torch.no_grad():
         for b in range(batch.batch_size):
@@ -149,7 +150,7 @@ def test_replay_forces_the_given_experts_and_router_still_learns(worker, hf_mode
     want = batch.routed_experts.sort(-1).values
     assert torch.equal(replayed[real], want[real])  # every real token, every layer
     assert (natural[real] != want[real]).any(-1).float().mean() > 0.5  # really differs
-    assert worker.router_agreement(batch, replay_routes=True) == 1.0
+    assert router_agreement(worker, batch, replay_routes=True) == 1.0
     assert _replay_state_is_clear()
 
     # Replay fixes the selection, not the weights: the router still gets a gradient.
@@ -165,7 +166,7 @@ def test_replay_forces_the_given_experts_and_router_still_learns(worker, hf_mode
 def test_record_mode_reports_the_trainers_own_routes(worker, hf_model) -> None:
     worker.load_weights(hf_model.state_dict().items())
     batch = _text_batch()
-    recorded = worker.record_routes(batch)
+    recorded = record_routes(worker, batch)
     dispatched = worker.forward(batch, replay_routes=False, capture_routes=True).routes
     real = batch.attention_mask.bool()
     assert torch.equal(recorded[real].sort(-1).values, dispatched[real])
@@ -271,11 +272,11 @@ def test_replay_of_bf16_engine_routes_cuts_logprob_mismatch(worker) -> None:
     mask = batch.response_mask.bool()
     gaps = {}
     for replay_on in (False, True):
-        logprobs = worker.forward_logprobs(batch, replay_routes=replay_on, micro_batch_size=3)
+        logprobs = worker.forward(batch, replay_routes=replay_on, micro_batch_size=3).logprobs
         gaps[replay_on] = (logprobs - batch.rollout_logprobs).abs()[mask]
-    flips = 1 - worker.router_agreement(batch, replay_routes=False)
+    flips = 1 - router_agreement(worker, batch, replay_routes=False)
     assert flips > 0  # the seed has routing flips between bf16 and fp32
-    assert worker.router_agreement(batch, replay_routes=True) == 1.0
+    assert router_agreement(worker, batch, replay_routes=True) == 1.0
     assert gaps[True].mean() < gaps[False].mean()
     assert gaps[True].max() < gaps[False].max()
 
