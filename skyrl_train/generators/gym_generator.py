@@ -133,12 +133,17 @@ class GymGenerator:
         stops = self.renderer.stop_token_ids if stop_token_ids is None else stop_token_ids
         self._stop_ids = list(stops)
         self._calls = 0
+        self._call_key = (seed, 0)
         """generate() calls so far: seeds differ per call, so GRPO steps that revisit a
         prompt sample afresh, yet a rerun of the same sequence of calls is identical."""
 
-    async def generate(self, batch: GeneratorInput) -> GeneratorOutput:
+    async def generate(self, batch: GeneratorInput, *, seed: int | None = None) -> GeneratorOutput:
+        """Roll out every prompt of ``batch``. ``seed``: request seeds derive from it as
+        a new generator's first call with that seed would, so a caller keeping one
+        generator for a run (sampling checked once) still chooses each call's seeds."""
         n = len(batch.prompts)
         self._calls += 1
+        self._call_key = (self.seed, self._calls) if seed is None else (seed, 1)
         if len(batch.env_names) != n or (batch.env_extras and len(batch.env_extras) != n):
             raise ValueError(
                 f"GeneratorInput: expected env_names and env_extras of length {n} (prompts), "
@@ -244,7 +249,7 @@ class GymGenerator:
             "temperature": sp.temperature,
             "top_p": sp.top_p,
             "top_k": sp.top_k,
-            "seed": _request_seed(self.seed, self._calls, traj.index, turn),
+            "seed": _request_seed(*self._call_key, traj.index, turn),
             "stop_token_ids": self._stop_ids,
         }
         trace = traj.trace

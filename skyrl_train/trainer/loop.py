@@ -121,6 +121,8 @@ class GRPOLoop:
         self.run_dir = Path(cfg.trainer.run_dir)
         self.datasets = datasets if datasets is not None else load_datasets(cfg)
         self.version = 0
+        self._generators: dict[tuple[bool, tuple[int, ...]], GymGenerator] = {}
+        """Holding the clients keeps their ids unique while they key a generator."""
         """The policy version the servers hold: the last step whose weights were pushed."""
         self._probe_ids: list[int] | None = None
         """The served-weights check's prompt, rendered at its first use."""
@@ -321,16 +323,25 @@ class GRPOLoop:
             round=round,
         )
         seed = _step_seed(cfg.trainer.seed, step) + round * _ROUND_SEED_STRIDE
-        generator = GymGenerator(
-            clients,
-            self.tokenizer,
-            cfg.generator,
-            seed=seed,
-            # A second, transient bar over trajectories inside each step's rollout.
-            progress=cfg.logging.progress_bar,
+        output = await self._generator(clients, evaluation=False).generate(
+            self._input(tasks, cfg.generator.n_samples_per_prompt), seed=seed
         )
-        output = await generator.generate(self._input(tasks, cfg.generator.n_samples_per_prompt))
         return tasks, output
+
+    def _generator(self, clients: list[Any], *, evaluation: bool) -> GymGenerator:
+        """One generator per (clients, train or eval) for the run: its sampling
+        parameters are checked once, not on every round."""
+        key = (evaluation, tuple(map(id, clients)))
+        if key not in self._generators:
+            self._generators[key] = GymGenerator(
+                clients,
+                self.tokenizer,
+                self.cfg.generator,
+                evaluation=evaluation,
+                # A second, transient bar over trajectories inside each step's rollout.
+                progress=self.cfg.logging.progress_bar,
+            )
+        return self._generators[key]
 
     async def _dynamic_sampling(
         self,
@@ -372,14 +383,9 @@ class GRPOLoop:
         """Greedy rollouts of every held-out prompt: the mean reward (and per data
         source) and, when the environments report ``solved``, the success rate."""
         tasks = self.datasets.eval
-        generator = GymGenerator(
-            clients,
-            self.tokenizer,
-            self.cfg.generator,
-            evaluation=True,
-            progress=self.cfg.logging.progress_bar,
+        output = await self._generator(clients, evaluation=True).generate(
+            self._input(tasks, 1), seed=0
         )
-        output = await generator.generate(self._input(tasks, 1))
         metrics = {"eval/reward_mean": float(np.mean(output.rewards))}
         solved = success_rate(output.solved or [])
         if solved is not None:

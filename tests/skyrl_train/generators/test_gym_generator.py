@@ -379,6 +379,26 @@ def test_several_clients_round_robin_and_seeds_are_reproducible(tokenizer):
     run(main())
 
 
+def test_a_calls_seed_gives_a_new_generators_first_call_seeds(tokenizer):
+    """The loop keeps one generator per run and passes each round's seed."""
+
+    async def main() -> tuple[list[int], list[int]]:
+        async with serving() as client:
+            kept, fresh = Wrapper(client), Wrapper(client)
+            gen = generator(kept, tokenizer, config(), seed=5)
+            await gen.generate(batch("guess_number", 3))
+            kept.calls.clear()
+            await gen.generate(batch("guess_number", 3), seed=7)
+            await generator(fresh, tokenizer, config(), seed=7).generate(batch("guess_number", 3))
+        return (
+            sorted(c["sampling_params"]["seed"] for c in kept.calls),
+            sorted(c["sampling_params"]["seed"] for c in fresh.calls),
+        )
+
+    kept, fresh = run(main())
+    assert kept == fresh and len(set(kept)) == len(kept) > 0
+
+
 def test_bad_inputs_fail_before_any_request(tokenizer):
     wrapper = Wrapper(None)
     # A node built in Python skipped launch validation: the constructor checks it.

@@ -157,7 +157,7 @@ class FixedGenerator:
     def __init__(self, *args: object, **kwargs: object) -> None:
         pass
 
-    async def generate(self, inputs: Any) -> GeneratorOutput:
+    async def generate(self, inputs: Any, *, seed: int | None = None) -> GeneratorOutput:
         rows = len(inputs.prompts)
         return GeneratorOutput(
             prompt_token_ids=[[1, 2, 3]] * rows,

@@ -38,7 +38,7 @@ class SlowGenerator:
     def __init__(self, *args: object, **kwargs: Any) -> None:
         self.evaluation = kwargs.get("evaluation", False)
 
-    async def generate(self, inputs: Any) -> GeneratorOutput:
+    async def generate(self, inputs: Any, *, seed: int | None = None) -> GeneratorOutput:
         rows = len(inputs.prompts)
         self.servers.events.append((time.perf_counter(), "generate", self.servers.version))
         versions = []

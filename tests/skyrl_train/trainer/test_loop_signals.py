@@ -76,7 +76,7 @@ class SolvedGenerator:
     def __init__(self, *args: object, **kwargs: object) -> None:
         pass
 
-    async def generate(self, inputs: Any) -> GeneratorOutput:
+    async def generate(self, inputs: Any, *, seed: int | None = None) -> GeneratorOutput:
         rows = len(inputs.prompts)
         rewards = [1.0, 0.0, 0.2, 0.2][:rows]  # eval (2 prompts, 1 sample): 1, 0
         return GeneratorOutput(
@@ -175,8 +175,8 @@ def test_signals_are_logged_and_finite(
 
 def test_no_success_rate_without_solved(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     class Unreported(SolvedGenerator):
-        async def generate(self, inputs: Any) -> GeneratorOutput:
-            return dataclasses.replace(await super().generate(inputs), solved=None)
+        async def generate(self, inputs: Any, *, seed: int | None = None) -> GeneratorOutput:
+            return dataclasses.replace(await super().generate(inputs, seed=seed), solved=None)
 
     monkeypatch.setattr(loop_module, "GymGenerator", Unreported)
     rows, lines, _ = _run(tmp_path, "grpo")
@@ -191,13 +191,12 @@ class RoundGenerator(SolvedGenerator):
 
     rounds: list[int] = []
 
-    def __init__(
-        self, clients: object, tokenizer: object, config: Any, *, seed: int = 0, **kwargs: Any
-    ) -> None:
-        self.extra = not kwargs.get("evaluation", False) and seed > 1000
+    def __init__(self, *args: object, **kwargs: Any) -> None:
+        self.evaluation = kwargs.get("evaluation", False)
 
-    async def generate(self, inputs: Any) -> GeneratorOutput:
-        out = await super().generate(inputs)
+    async def generate(self, inputs: Any, *, seed: int | None = None) -> GeneratorOutput:
+        self.extra = not self.evaluation and (seed or 0) > 1000
+        out = await super().generate(inputs, seed=seed)
         if len(inputs.prompts) == PROMPTS * N_SAMPLES:  # not the eval rollout
             RoundGenerator.rounds.append(int(self.extra))
         if not self.extra:
@@ -232,11 +231,35 @@ def test_filter_trains_on_resampled_groups_and_logs_the_first_round(
     assert (trained[:, 0] != 0).all() and (trained[:, 2] != 0).all()
 
 
+def test_one_generator_per_run_so_sampling_is_checked_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """GymGenerator checks its sampling parameters when built: the loop builds one for
+    training and one for evaluation, however many steps and rounds it runs."""
+    built: list[bool] = []
+
+    class Counted(RoundGenerator):
+        def __init__(self, *args: object, **kwargs: Any) -> None:
+            built.append(bool(kwargs.get("evaluation", False)))
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(loop_module, "GymGenerator", Counted)
+    monkeypatch.setattr(RoundGenerator, "rounds", [])
+    _run(
+        tmp_path,
+        "grpo",
+        "trainer.algorithm.dynamic_sampling.type=filter",
+        "trainer.algorithm.dynamic_sampling.max_sample_batches=3",
+    )
+    assert RoundGenerator.rounds == [0, 1, 0, 1]  # four training rounds, seeds told apart
+    assert built == [False, True]
+
+
 class FlatGenerator(SolvedGenerator):
     """Every group flat (every reward 0.2), in every round."""
 
-    async def generate(self, inputs: Any) -> GeneratorOutput:
-        out = await super().generate(inputs)
+    async def generate(self, inputs: Any, *, seed: int | None = None) -> GeneratorOutput:
+        out = await super().generate(inputs, seed=seed)
         return dataclasses.replace(out, rewards=[0.2] * len(out.rewards))
 
 
