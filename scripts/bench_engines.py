@@ -52,6 +52,9 @@ flip a token, so this is reported, not required).
 
 Caveat: a tiny model measures per-step overhead (scheduling, batching, HTTP, Python),
 not matmul throughput; a real model on a GPU gives a different ratio.
+
+Kept whole: one benchmark command, whose servers, method and figures are read together;
+the engines and clients it measures are the project's own modules.
 """
 
 from __future__ import annotations

@@ -20,6 +20,9 @@ was caught, 1 when some survived or errored, 2 when an original snippet does not
 exactly once in its module (the code drifted: update the list) or the baseline fails.
 
 Not part of CI: a full run takes several minutes (each pytest start imports torch).
+
+Kept whole: most of it is the mutant table, one entry per planted bug, which reads best
+as one list next to the runner that applies it.
 """
 
 from __future__ import annotations

@@ -18,7 +18,18 @@ configuration, which retrying cannot fix.
 
 ``path`` is always the dotted config key to change (``trainer.resume_from``) and the
 message starts with it: ``path: expected X, got Y``, or, when a file is at fault,
-``path: file: expected X, got Y`` (``file`` a filesystem path, never ``path``).
+``path: file: expected X, got Y`` (``file`` a filesystem path, never ``path``). The
+constructors build that shape: pass ``expected=`` and ``got=`` (already formatted
+text; ``got`` is what was found, e.g. ``repr(value)``), never a hand-written
+``"expected ..., got ..."``. A positional ``reason`` is for a message that is not an
+expected/got fact (another library's message, a rule between keys). ``RouteTraceError``,
+``CollationError`` and ``RouteReplayError`` name no config key: their first argument is
+the place (``rewards[3]``), or alone the whole message.
+
+A package error is for bad data or configuration that a user can fix: it names the key
+or field to change. A bare ``ValueError``/``TypeError`` is for API misuse, a programmer
+calling a function wrongly (an empty clients list passed to a constructor, both or
+neither of ``reason`` and ``expected``/``got``): no config edit fixes that.
 """
 
 from __future__ import annotations
@@ -31,14 +42,34 @@ class SkyRLTrainError(Exception):
     """Root of every exception the ``skyrl_train`` package defines."""
 
 
+def _reason(reason: str | None, expected: str | None, got: str | None) -> str:
+    """``reason``, or ``expected X, got Y``; exactly one of the two forms."""
+    if reason is None and expected is not None and got is not None:
+        return f"expected {expected}, got {got}"
+    if reason is not None and expected is None and got is None:
+        return reason
+    raise TypeError("pass either reason, or both expected= and got=")
+
+
 class ConfigValidationError(SkyRLTrainError, ValueError):
     """A config key is set to something the pipeline refuses; ``path`` is the dotted
-    key and ``reason`` reads ``expected X, got Y``."""
+    key. With ``expected=`` and ``got=`` the message reads ``path: expected X, got Y``
+    (``.expected``/``.got`` keep them); a free-form ``reason`` gives ``path: reason``
+    (``.expected``/``.got`` None)."""
 
-    def __init__(self, path: str, reason: str) -> None:
+    def __init__(
+        self,
+        path: str,
+        reason: str | None = None,
+        *,
+        expected: str | None = None,
+        got: str | None = None,
+    ) -> None:
         self.path = path
-        self.reason = reason
-        super().__init__(f"{path}: {reason}")
+        self.reason = _reason(reason, expected, got)
+        self.expected = expected
+        self.got = got
+        super().__init__(f"{path}: {self.reason}")
 
 
 class DatasetError(ConfigValidationError):
@@ -46,7 +77,8 @@ class DatasetError(ConfigValidationError):
 
     ``path`` is the config entry (``data.train_data[0]``), ``file`` the file, ``row``
     the 0-based row (None for the whole file) and ``field`` the row's key (None when
-    the row itself is bad); the message reads ``path: file row N: field: reason``.
+    the row itself is bad); the message reads ``path: file row N: field: expected X,
+    got Y`` (or ``...: field: reason`` for a free-form ``reason``).
     """
 
     def __init__(
@@ -56,13 +88,18 @@ class DatasetError(ConfigValidationError):
         *,
         row: int | None,
         field: str | None,
-        reason: str,
+        reason: str | None = None,
+        expected: str | None = None,
+        got: str | None = None,
     ) -> None:
         self.file = Path(file)
         self.row = row
         self.field = field
         where = str(file) + (f" row {row}" if row is not None else "")
-        super().__init__(path, f"{where}: {field + ': ' if field else ''}{reason}")
+        detail = _reason(reason, expected, got)
+        super().__init__(path, f"{where}: {field + ': ' if field else ''}{detail}")
+        self.expected = expected
+        self.got = got
 
 
 class CheckpointError(SkyRLTrainError, ValueError):
@@ -97,15 +134,28 @@ class NonFiniteError(SkyRLTrainError, ValueError):
         super().__init__(f"{quantity} at step {step}: {reason}")
 
 
-class RouteTraceError(SkyRLTrainError, ValueError):
+class _PlacedError(SkyRLTrainError, ValueError):
+    """An error whose message names its own place (no config key): ``where`` alone is
+    the whole message; with ``expected=`` and ``got=`` it is the place they describe
+    (``rewards[3]``) and the message reads ``where: expected X, got Y``."""
+
+    def __init__(self, where: str, *, expected: str | None = None, got: str | None = None) -> None:
+        if (expected is None) != (got is None):
+            raise TypeError("pass both expected= and got=, or neither")
+        self.expected = expected
+        self.got = got
+        super().__init__(where if expected is None else f"{where}: expected {expected}, got {got}")
+
+
+class RouteTraceError(_PlacedError):
     """A turn's route rows do not line up with the trajectory's tokens."""
 
 
-class CollationError(SkyRLTrainError, ValueError):
+class CollationError(_PlacedError):
     """A trajectory cannot be collated into the training batch."""
 
 
-class RouteReplayError(SkyRLTrainError, ValueError):
+class RouteReplayError(_PlacedError):
     """Recorded routes cannot be replayed through the trainer's routers."""
 
 

@@ -61,6 +61,11 @@ Per family, the parts beyond the shared ones:
 
 Anything else under a decoder layer's ``mlp`` (another router, MLP or MoE block) is
 refused by name, and so is a sliding window, which ``_attention`` does not apply.
+
+Kept whole: each replacement forward answers one cause above, and
+enable_batch_invariance installs them and refuses any module it does not cover as one
+set; in one file a reader can check that every op class of every family's decoder layer
+is covered, which is the property the module exists for.
 """
 
 from __future__ import annotations

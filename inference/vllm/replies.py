@@ -32,17 +32,13 @@ _VERSION_LABEL: Final = re.compile(r"0|[1-9][0-9]{0,18}")  # str(int) for 0 <= v
 _CHOICE: Final = "$.choices[0]"
 
 
-def _fail(path: str, expected: str, got: Any) -> GenerateProtocolError:
-    return GenerateProtocolError(path, expected, got)
-
-
 def policy_version_of(label: Any, *, path: str) -> int:
     """The policy version a vLLM weight-version label stands for."""
     if label == INITIAL_WEIGHT_VERSION:
         return 0
     if type(label) is str and _VERSION_LABEL.fullmatch(label):
         return int(label)
-    raise _fail(
+    raise GenerateProtocolError(
         path, f'str(policy_version) as the trainer sets it, or "{INITIAL_WEIGHT_VERSION}"', label
     )
 
@@ -54,18 +50,20 @@ def version_spans(value: Any, num_tokens: int, *, path: str) -> list[VersionSpan
     if value is None:
         return None
     if type(value) is not list:
-        raise _fail(path, "a list of {version, start, end} spans, or null", value)
+        raise GenerateProtocolError(path, "a list of {version, start, end} spans, or null", value)
     spans: list[VersionSpan] = []
     at = 0
     for i, span in enumerate(value):
         where = f"{path}[{i}]"
         if type(span) is not dict:
-            raise _fail(where, "a {version, start, end} object", span)
+            raise GenerateProtocolError(where, "a {version, start, end} object", span)
         start, end = span.get("start"), span.get("end")
         if type(start) is not int or start != at:
-            raise _fail(f"{where}.start", f"{at} (spans tile the output tokens in order)", start)
+            raise GenerateProtocolError(
+                f"{where}.start", f"{at} (spans tile the output tokens in order)", start
+            )
         if type(end) is not int or not start <= end <= num_tokens:
-            raise _fail(f"{where}.end", f"an int in [{start}, {num_tokens}]", end)
+            raise GenerateProtocolError(f"{where}.end", f"an int in [{start}, {num_tokens}]", end)
         version = policy_version_of(span.get("version"), path=f"{where}.version")
         at = end
         if start == end:
@@ -75,7 +73,9 @@ def version_spans(value: Any, num_tokens: int, *, path: str) -> list[VersionSpan
         else:
             spans.append(VersionSpan(version, start, end))
     if at != num_tokens:
-        raise _fail(f"{path}", f"spans ending at {num_tokens} (the output tokens)", f"end {at}")
+        raise GenerateProtocolError(
+            f"{path}", f"spans ending at {num_tokens} (the output tokens)", f"end {at}"
+        )
     return spans
 
 
@@ -83,19 +83,23 @@ def _logprobs(value: Any, token_ids: list[int], path: str) -> tuple[list[float],
     """Sampled-token logprobs and how many were clamped to LOGPROB_FLOOR (vLLM's own
     clamp of -inf/NaN, or a null)."""
     if type(value) is not dict or type(value.get("content")) is not list:
-        raise _fail(
+        raise GenerateProtocolError(
             path, '{"content": [{token_id, logprob}, ...]} (the request asked for it)', value
         )
     content = value["content"]
     if len(content) != len(token_ids):
-        raise _fail(f"{path}.content", f"{len(token_ids)} entries (one per token)", len(content))
+        raise GenerateProtocolError(
+            f"{path}.content", f"{len(token_ids)} entries (one per token)", len(content)
+        )
     out: list[float] = []
     clamped = 0
     for i, entry in enumerate(content):
         if type(entry) is not dict:
-            raise _fail(f"{path}.content[{i}]", "a {token_id, logprob} object", entry)
+            raise GenerateProtocolError(
+                f"{path}.content[{i}]", "a {token_id, logprob} object", entry
+            )
         if entry.get("token_id") != token_ids[i]:
-            raise _fail(
+            raise GenerateProtocolError(
                 f"{path}.content[{i}].token_id",
                 f"{token_ids[i]} (token_ids[{i}])",
                 entry.get("token_id"),
@@ -106,7 +110,7 @@ def _logprobs(value: Any, token_ids: list[int], path: str) -> tuple[list[float],
             clamped += 1
             continue
         if type(logprob) is not float and type(logprob) is not int:
-            raise _fail(f"{path}.content[{i}].logprob", "a number or null", logprob)
+            raise GenerateProtocolError(f"{path}.content[{i}].logprob", "a number or null", logprob)
         if logprob <= LOGPROB_FLOOR:
             out.append(LOGPROB_FLOOR)
             clamped += 1
@@ -129,20 +133,22 @@ def parse_vllm_reply(
     ``prompt_route_rows`` = P - s - 1 (the last sampled token was never fed) and
     ``route_dims`` = (layers, top_k); either may be None when not known."""
     if type(body) is not dict:
-        raise _fail("$", "a JSON object", type(body).__name__)
+        raise GenerateProtocolError("$", "a JSON object", type(body).__name__)
     choices = body.get("choices")
     if type(choices) is not list or len(choices) != 1:
         got = f"{len(choices)} choices" if type(choices) is list else choices
-        raise _fail("$.choices", "a list of exactly 1 choice", got)
+        raise GenerateProtocolError("$.choices", "a list of exactly 1 choice", got)
     choice = choices[0]
     if type(choice) is not dict:
-        raise _fail(_CHOICE, "a JSON object", type(choice).__name__)
+        raise GenerateProtocolError(_CHOICE, "a JSON object", type(choice).__name__)
     token_ids = choice.get("token_ids")
     if type(token_ids) is not list or not all(type(t) is int and t >= 0 for t in token_ids):
-        raise _fail(f"{_CHOICE}.token_ids", "a list of non-negative ints", token_ids)
+        raise GenerateProtocolError(
+            f"{_CHOICE}.token_ids", "a list of non-negative ints", token_ids
+        )
     finish_reason = choice.get("finish_reason")
     if type(finish_reason) is not str:
-        raise _fail(f"{_CHOICE}.finish_reason", "a string", finish_reason)
+        raise GenerateProtocolError(f"{_CHOICE}.finish_reason", "a string", finish_reason)
     logprobs, clamped = _logprobs(choice.get("logprobs"), token_ids, f"{_CHOICE}.logprobs")
     spans = version_spans(
         choice.get("weight_versions"), len(token_ids), path=f"{_CHOICE}.weight_versions"
@@ -165,7 +171,7 @@ def parse_vllm_reply(
 def _routes(value: Any, shape: tuple[int | None, int | None, int | None]) -> np.ndarray:
     path = f"{_CHOICE}.routed_experts"
     if value is None:
-        raise _fail(
+        raise GenerateProtocolError(
             path,
             "a base64 .npy string (routes were requested: is the server started with "
             "--enable-return-routed-experts?)",

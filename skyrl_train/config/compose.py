@@ -87,7 +87,7 @@ def parse_config(cfg: DictConfig | Mapping[str, Any]) -> PPOConfig:
         name = field.removeprefix("TinyMoEConfig").lstrip(".")
         raise ConfigValidationError(f"model.builtin.{name}".rstrip("."), reason) from exc
     if not isinstance(obj, PPOConfig):
-        raise ConfigValidationError("<root>", f"expected the PPOConfig schema, got {type(obj)}")
+        raise ConfigValidationError("<root>", expected="the PPOConfig schema", got=str(type(obj)))
     return obj
 
 
@@ -106,7 +106,7 @@ def composition_error(exc: BaseException) -> ConfigValidationError:
     if missing:
         group, option = missing.groups()
         return ConfigValidationError(
-            group, f"expected one of {group_options(group)}, got {option!r}"
+            group, expected=f"one of {group_options(group)}", got=repr(option)
         )
     cause: BaseException | None = exc
     while cause is not None:
@@ -158,7 +158,7 @@ def unknown_key_error(key: str) -> ConfigValidationError:
         siblings = [k for k in known if k.rsplit(".", 1)[0] == parent] if parent else []
         close = difflib.get_close_matches(key, siblings, n=1, cutoff=0.0)
     hint = f" (did you mean {close[0]!r}?)" if close else ""
-    return ConfigValidationError(key, f"expected a key the schema declares{hint}, got {key!r}")
+    return ConfigValidationError(key, expected=f"a key the schema declares{hint}", got=repr(key))
 
 
 GROUPS = ("model", "environment", "data")

@@ -71,13 +71,13 @@ def check_value(value: Any, path: str, **rules: Any) -> None:
     if isinstance(value, (list, tuple)):
         length = rules.pop("length", None)
         if length is not None and len(value) != length:
-            raise ConfigValidationError(path, f"expected a list of {length}, got {list(value)!r}")
+            raise ConfigValidationError(path, expected=f"a list of {length}", got=repr(list(value)))
         for i, item in enumerate(value):
             check_value(item, f"{path}[{i}]", **rules)
         return
     choices = rules.get("choices")
     if choices is not None and value not in choices:
-        raise ConfigValidationError(path, f"expected one of {list(choices)}, got {value!r}")
+        raise ConfigValidationError(path, expected=f"one of {list(choices)}", got=repr(value))
     bounds = [(op, rules[op]) for op in ("ge", "gt", "le", "lt") if rules.get(op) is not None]
     if not bounds or value in rules.get("also", ()):
         return
@@ -87,7 +87,7 @@ def check_value(value: Any, path: str, **rules: Any) -> None:
     wanted = " and ".join(f"{_SYMBOL[op]} {bound}" for op, bound in bounds)
     kind = "an int" if isinstance(value, int) else "a finite number"
     sentinels = "".join(f"{a!r} or " for a in rules.get("also", ()))
-    raise ConfigValidationError(path, f"expected {sentinels}{kind} {wanted}, got {value!r}")
+    raise ConfigValidationError(path, expected=f"{sentinels}{kind} {wanted}", got=repr(value))
 
 
 _SYMBOL = {"ge": ">=", "gt": ">", "le": "<=", "lt": "<"}

@@ -27,9 +27,9 @@ def _refuse_builtin_keys_with_path(model: ModelConfig) -> None:
         if getattr(model.builtin, key) != getattr(default, key):
             raise ConfigValidationError(
                 f"model.builtin.{key}",
-                f"describes the built-in model only; with model.path the architecture comes "
-                f"from {model.path}/config.json, so leave it at {getattr(default, key)!r}, "
-                f"got {getattr(model.builtin, key)!r}",
+                expected=f"the default {getattr(default, key)!r} with model.path (it describes "
+                f"the built-in model only; the architecture comes from {model.path}/config.json)",
+                got=repr(getattr(model.builtin, key)),
             )
 
 
@@ -38,8 +38,8 @@ def _builtin_architecture(model: ModelConfig) -> MoEArchitecture:
     if tiny.vocab_size < BYTE_VOCAB_SIZE:
         raise ConfigValidationError(
             "model.builtin.vocab_size",
-            f"expected >= {BYTE_VOCAB_SIZE} (the built-in byte tokenizer's size), "
-            f"got {tiny.vocab_size}",
+            expected=f">= {BYTE_VOCAB_SIZE} (the built-in byte tokenizer's size)",
+            got=str(tiny.vocab_size),
         )
     return tiny.architecture()
 

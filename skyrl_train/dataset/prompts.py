@@ -18,6 +18,7 @@ epoch a fresh permutation from the seed, so a resumed run takes the same prompts
 
 from __future__ import annotations
 
+import functools
 import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -60,7 +61,8 @@ def read_rows(path: str | Path, *, key: str) -> list[dict[str, Any]]:
                 file,
                 row=None,
                 field=None,
-                reason=f"expected a readable parquet file, got {exc}",
+                expected="a readable parquet file",
+                got=str(exc),
             ) from exc
     # pyarrow infers one schema per file and names no line when a row breaks it (a
     # prompt that is a string in one row and a list in the others, a bad line): read
@@ -84,12 +86,13 @@ def _json_lines(file: Path, key: str) -> list[dict[str, Any]]:
                     file,
                     row=number,
                     field=None,
-                    reason=f"expected a JSON object, got invalid JSON ({exc})",
+                    expected="a JSON object",
+                    got=f"invalid JSON ({exc})",
                 ) from exc
             if not isinstance(value, dict):
                 raise DatasetError(
                     key, file, row=number, field=None,
-                    reason=f"expected a JSON object, got {type(value).__name__}",
+                    expected="a JSON object", got=type(value).__name__,
                 )  # fmt: skip
             rows.append(value)
     return rows
@@ -98,42 +101,49 @@ def _json_lines(file: Path, key: str) -> list[dict[str, Any]]:
 def _check_row(
     row: Mapping[str, Any], *, key: str, path: str, number: int, default_env: str
 ) -> Task:
-    def fail(field: str, reason: str) -> DatasetError:
-        return DatasetError(key, path, row=number, field=field, reason=reason)
-
+    fail = functools.partial(DatasetError, key, path, row=number)  # names this row
     for name in _REQUIRED:
         if row.get(name) is None:
-            raise fail(name, "expected a value, got none")
+            raise fail(field=name, expected="a value", got="none")
     prompt = row["prompt"]
     if not isinstance(prompt, list) or not prompt:
-        raise fail("prompt", f"expected a non-empty list of messages, got {prompt!r:.80}")
+        raise fail(field="prompt", expected="a non-empty list of messages", got=f"{prompt!r:.80}")
     for i, message in enumerate(prompt):
         if not isinstance(message, Mapping):
-            raise fail(f"prompt[{i}]", f"expected a {{role, content}} mapping, got {message!r:.80}")
+            raise fail(
+                field=f"prompt[{i}]", expected="a {role, content} mapping", got=f"{message!r:.80}"
+            )
         for part in ("role", "content"):
             if not isinstance(message.get(part), str):
                 raise fail(
-                    f"prompt[{i}].{part}", f"expected a string, got {message.get(part)!r:.80}"
+                    field=f"prompt[{i}].{part}",
+                    expected="a string",
+                    got=f"{message.get(part)!r:.80}",
                 )
     env_class = row.get("env_class") or default_env
     if not isinstance(env_class, str) or env_class not in skyrl_gym.registered():
         raise fail(
-            "env_class",
-            f"expected a registered environment {skyrl_gym.registered()}, got {env_class!r}",
+            field="env_class",
+            expected=f"a registered environment {skyrl_gym.registered()}",
+            got=repr(env_class),
         )
     spec = row["reward_spec"]
     if not isinstance(spec, Mapping):
-        raise fail("reward_spec", f"expected a {{method, ground_truth}} mapping, got {spec!r:.80}")
+        raise fail(
+            field="reward_spec", expected="a {method, ground_truth} mapping", got=f"{spec!r:.80}"
+        )
     if not isinstance(spec.get("method"), str):
-        raise fail("reward_spec.method", f"expected a string, got {spec.get('method')!r:.80}")
+        raise fail(
+            field="reward_spec.method", expected="a string", got=f"{spec.get('method')!r:.80}"
+        )
     if spec.get("ground_truth") is None:
-        raise fail("reward_spec.ground_truth", "expected a value, got none")
+        raise fail(field="reward_spec.ground_truth", expected="a value", got="none")
     source = row.get("data_source")
     if source is not None and not isinstance(source, str):
-        raise fail("data_source", f"expected a string, got {source!r:.80}")
+        raise fail(field="data_source", expected="a string", got=f"{source!r:.80}")
     extra = row.get("extra_info")
     if extra is not None and not isinstance(extra, Mapping):
-        raise fail("extra_info", f"expected a mapping, got {extra!r:.80}")
+        raise fail(field="extra_info", expected="a mapping", got=f"{extra!r:.80}")
     messages = [{"role": m["role"], "content": m["content"]} for m in prompt]
     return Task(
         prompt=messages,
@@ -161,9 +171,7 @@ def load_tasks(
         file_key = f"{key}[{i}]"
         rows = read_rows(path, key=file_key)
         if not rows:
-            raise DatasetError(
-                file_key, path, row=None, field=None, reason="expected rows, got none"
-            )
+            raise DatasetError(file_key, path, row=None, field=None, expected="rows", got="none")
         for number, row in enumerate(rows):
             task = _check_row(
                 row, key=file_key, path=path, number=number, default_env=default_env_class
@@ -177,7 +185,8 @@ def load_tasks(
                     path,
                     row=number,
                     field="env_class",
-                    reason=f"expected a row {task.env_name!r} accepts, got {exc}",
+                    expected=f"a row {task.env_name!r} accepts",
+                    got=str(exc),
                 ) from exc
             tasks.append(task)
     return tasks

@@ -58,19 +58,17 @@ class CollatedRoutes:
     """[B, S] bool, True on padding and uncaptured rows."""
 
 
-def _fail(field: str, expected: str, got: object) -> CollationError:
-    return CollationError(f"{field}: expected {expected}, got {got}")
-
-
 def _check_lengths(name: str, values: Sequence[int], batch_size: int | None) -> list[int]:
     if isinstance(values, (str, bytes)) or not isinstance(values, Sequence | np.ndarray):
-        raise _fail(name, "a sequence of ints", type(values).__name__)
+        raise CollationError(name, expected="a sequence of ints", got=type(values).__name__)
     if batch_size is not None and len(values) != batch_size:
-        raise _fail(f"{name}", f"{batch_size} entries (one per trajectory)", len(values))
+        raise CollationError(
+            name, expected=f"{batch_size} entries (one per trajectory)", got=str(len(values))
+        )
     out: list[int] = []
     for i, value in enumerate(values):
         if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 0:
-            raise _fail(f"{name}[{i}]", "an int >= 0", repr(value))
+            raise CollationError(f"{name}[{i}]", expected="an int >= 0", got=repr(value))
         out.append(int(value))
     return out
 
@@ -79,27 +77,39 @@ def _check_width(name: str, width: int | None, needed: int) -> int:
     if width is None:
         return needed
     if isinstance(width, bool) or not isinstance(width, int | np.integer) or width < needed:
-        raise _fail(name, f"an int >= {needed} (the longest trajectory)", repr(width))
+        raise CollationError(
+            name, expected=f"an int >= {needed} (the longest trajectory)", got=repr(width)
+        )
     return int(width)
 
 
 def _check_sample(index: int, sample: object, trailing: tuple[int, int] | None) -> np.ndarray:
     field = f"{_FIELD}[{index}]"
     if not isinstance(sample, np.ndarray):
-        raise _fail(field, "a numpy.ndarray [rows, layers, topk]", type(sample).__name__)
+        raise CollationError(
+            field, expected="a numpy.ndarray [rows, layers, topk]", got=type(sample).__name__
+        )
     # The wire's dtypes only: int64 would make a [64, 8192, 48, 8] batch 1.6 GB instead of
     # 200 MB in uint8, and the wire is native little-endian, so ">i2" is refused too.
     if sample.dtype not in ROUTE_DTYPES:
         names = "/".join(ROUTE_DTYPES)
-        raise _fail(f"{field}.dtype", f"one of {names} (native byte order)", sample.dtype.str)
+        raise CollationError(
+            f"{field}.dtype",
+            expected=f"one of {names} (native byte order)",
+            got=sample.dtype.str,
+        )
     if sample.ndim != 3:
-        raise _fail(f"{field}.shape", "3-D [rows, layers, topk]", sample.shape)
+        raise CollationError(
+            f"{field}.shape", expected="3-D [rows, layers, topk]", got=str(sample.shape)
+        )
     if trailing is None:
         if sample.shape[1] < 1 or sample.shape[2] < 1:
-            raise _fail(f"{field}.shape", "layers >= 1 and topk >= 1", sample.shape)
+            raise CollationError(
+                f"{field}.shape", expected="layers >= 1 and topk >= 1", got=str(sample.shape)
+            )
     elif sample.shape[1:] != trailing:
         expected = f"[rows, {trailing[0]}, {trailing[1]}] like {_FIELD}[0]"
-        raise _fail(f"{field}.shape", expected, sample.shape)
+        raise CollationError(f"{field}.shape", expected=expected, got=str(sample.shape))
     return sample
 
 
@@ -178,10 +188,12 @@ def prepare_route_collation(
     and response. Raises ``CollationError`` naming the field and trajectory.
     """
     if isinstance(routes, np.ndarray) or not isinstance(routes, Sequence):
-        raise _fail(_FIELD, "a list of per-trajectory arrays", type(routes).__name__)
+        raise CollationError(
+            _FIELD, expected="a list of per-trajectory arrays", got=type(routes).__name__
+        )
     batch = len(routes)
     if batch == 0:
-        raise _fail(_FIELD, "at least one trajectory", 0)
+        raise CollationError(_FIELD, expected="at least one trajectory", got="0")
     prompts = _check_lengths("prompt_lengths", prompt_lengths, batch)
     responses = _check_lengths("response_lengths", response_lengths, batch)
     p_width = _check_width("prompt_width", prompt_width, max(prompts))
@@ -198,13 +210,17 @@ def prepare_route_collation(
             expected = (
                 f"1 <= rows <= {tokens} (prompt {prompts[i]} + response {responses[i]} tokens)"
             )
-            raise _fail(f"{_FIELD}[{i}].shape[0]", expected, rows)
+            raise CollationError(f"{_FIELD}[{i}].shape[0]", expected=expected, got=str(rows))
         samples.append(checked)
 
     dtype = np.result_type(*{s.dtype for s in samples})
     topk = samples[0].shape[2]
     if topk - 1 > np.iinfo(dtype).max:
-        raise _fail(f"{_FIELD}[0].shape[2]", f"topk <= {np.iinfo(dtype).max + 1} for {dtype}", topk)
+        raise CollationError(
+            f"{_FIELD}[0].shape[2]",
+            expected=f"topk <= {np.iinfo(dtype).max + 1} for {dtype}",
+            got=str(topk),
+        )
     return RouteCollator(samples, prompts, p_width, p_width + r_width, dtype)
 
 

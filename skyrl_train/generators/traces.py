@@ -33,7 +33,7 @@ _EMPTY_ROUTES_SHAPE = (0, 0, 0)
 def _count(trajectory_id: str, turn: int | None, name: str, value: object, *, low: int) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
         where = f"trajectory {trajectory_id}" + ("" if turn is None else f" turn {turn}")
-        raise RouteTraceError(f"{where}: {name}: expected an int >= {low}, got {value!r}")
+        raise RouteTraceError(f"{where}: {name}", expected=f"an int >= {low}", got=repr(value))
     return int(value)
 
 
@@ -83,8 +83,9 @@ class TokenMetadataTrace:
     def nbytes(self) -> int:
         return sum(c.nbytes for c in self._chunks)
 
-    def _fail(self, turn: int, what: str) -> RouteTraceError:
-        return RouteTraceError(f"trajectory {self.trajectory_id} turn {turn}: {self.field}{what}")
+    def _where(self, turn: int, part: str = "") -> str:
+        """The place an append error names: ``trajectory T turn N: field<part>``."""
+        return f"trajectory {self.trajectory_id} turn {turn}: {self.field}{part}"
 
     def append(self, chunk: np.ndarray, *, expected_rows: int, turn: int | None = None) -> None:
         """Append one turn's rows; raises RouteTraceError naming trajectory and turn
@@ -92,22 +93,32 @@ class TokenMetadataTrace:
         if turn is None:
             turn = len(self._chunks)
         if not isinstance(chunk, np.ndarray):
-            raise self._fail(turn, f": expected a numpy array, got {type(chunk).__name__}")
+            raise RouteTraceError(
+                self._where(turn), expected="a numpy array", got=type(chunk).__name__
+            )
         if chunk.ndim < 1:
-            raise self._fail(turn, f".ndim: expected >= 1, got {chunk.ndim}")
+            raise RouteTraceError(self._where(turn, ".ndim"), expected=">= 1", got=str(chunk.ndim))
         if chunk.dtype.kind not in self._kinds:
-            raise self._fail(turn, f".dtype: expected a {self.kind} dtype, got {chunk.dtype}")
+            raise RouteTraceError(
+                self._where(turn, ".dtype"), expected=f"a {self.kind} dtype", got=str(chunk.dtype)
+            )
         if chunk.shape[0] != expected_rows:
-            raise self._fail(turn, f".rows: expected {expected_rows}, got {chunk.shape[0]}")
+            raise RouteTraceError(
+                self._where(turn, ".rows"), expected=str(expected_rows), got=str(chunk.shape[0])
+            )
         trailing = tuple(chunk.shape[1:])
         if self._trailing is not None and trailing != self._trailing:
-            raise self._fail(turn, f".shape[1:]: expected {self._trailing} (fixed), got {trailing}")
+            raise RouteTraceError(
+                self._where(turn, ".shape[1:]"),
+                expected=f"{self._trailing} (fixed)",
+                got=str(trailing),
+            )
         dtype = chunk.dtype if self._dtype is None else np.promote_types(self._dtype, chunk.dtype)
         if dtype.kind not in self._kinds:
-            raise self._fail(
-                turn,
-                f".dtype: expected a lossless {self.kind} widening of {self._dtype}, "
-                f"got {chunk.dtype} (common type {dtype})",
+            raise RouteTraceError(
+                self._where(turn, ".dtype"),
+                expected=f"a lossless {self.kind} widening of {self._dtype}",
+                got=f"{chunk.dtype} (common type {dtype})",
             )
         self._trailing = trailing
         self._dtype = dtype
@@ -199,26 +210,30 @@ class RoutedExpertTrace:
         g = _count(tid, turn, "generated_token_count", generated_token_count, low=1)
         if p <= start:
             raise RouteTraceError(
-                f"trajectory {tid} turn {turn}: prompt_token_count: expected > prompt_start "
-                f"({start}) so the prompt covers every routed token, got {p}"
+                f"trajectory {tid} turn {turn}: prompt_token_count",
+                expected=f"> prompt_start ({start}) so the prompt covers every routed token",
+                got=str(p),
             )
         if routed_experts is None:
             raise RouteTraceError(
-                f"trajectory {tid} turn {turn}: routed_experts: expected an array of "
-                f"{p - start + g - 1} rows (routes were requested), got None"
+                f"trajectory {tid} turn {turn}: routed_experts",
+                expected=f"an array of {p - start + g - 1} rows (routes were requested)",
+                got="None",
             )
         if hasattr(routed_experts, "detach") and hasattr(routed_experts, "numpy"):
             routed_experts = routed_experts.detach().cpu().numpy()  # a torch tensor
         if not isinstance(routed_experts, np.ndarray) or routed_experts.ndim != 3:
             got = getattr(routed_experts, "shape", type(routed_experts).__name__)
             raise RouteTraceError(
-                f"trajectory {tid} turn {turn}: routed_experts: expected a [rows, layers, "
-                f"topk] array, got {got}"
+                f"trajectory {tid} turn {turn}: routed_experts",
+                expected="a [rows, layers, topk] array",
+                got=str(got),
             )
         if routed_experts.dtype.kind in "iu" and routed_experts.size and routed_experts.min() < 0:
             raise RouteTraceError(
-                f"trajectory {tid} turn {turn}: routed_experts: expected expert ids >= 0, "
-                f"got {int(routed_experts.min())}"
+                f"trajectory {tid} turn {turn}: routed_experts",
+                expected="expert ids >= 0",
+                got=str(int(routed_experts.min())),
             )
         expected = p - start + g - 1
         whole = p + g - 1
@@ -230,9 +245,10 @@ class RoutedExpertTrace:
             self.whole_prefix_replies += 1
         elif chunk.shape[0] != expected:
             raise RouteTraceError(
-                f"trajectory {tid} turn {turn}: routed_experts.rows: expected {expected} "
-                f"(P={p} - start={start} + G={g} - 1) or {whole} (whole prefix), "
-                f"got {chunk.shape[0]}"
+                f"trajectory {tid} turn {turn}: routed_experts.rows",
+                expected=f"{expected} "
+                f"(P={p} - start={start} + G={g} - 1) or {whole} (whole prefix)",
+                got=str(chunk.shape[0]),
             )
         self._trace.append(chunk, expected_rows=expected, turn=turn)
         self.bytes_received += routed_experts.nbytes
@@ -250,12 +266,13 @@ class RoutedExpertTrace:
         mask = np.asarray(loss_mask)
         if mask.shape != (n,):
             raise RouteTraceError(
-                f"trajectory {tid}: loss_mask.shape: expected ({n},) (token_count), "
-                f"got {mask.shape}"
+                f"trajectory {tid}: loss_mask.shape",
+                expected=f"({n},) (token_count)",
+                got=str(mask.shape),
             )
         if mask.size and not np.isin(mask, (0, 1)).all():
             raise RouteTraceError(
-                f"trajectory {tid}: loss_mask: expected 0/1 values, got {np.unique(mask)}"
+                f"trajectory {tid}: loss_mask", expected="0/1 values", got=str(np.unique(mask))
             )
         rows = min(self._trace.num_rows, n)
         active = np.flatnonzero(mask)
@@ -265,10 +282,11 @@ class RoutedExpertTrace:
         if bad.size:
             t = int(bad[0])
             raise RouteTraceError(
-                f"trajectory {tid}: loss_mask[{t}]: expected a captured route row {t - 1} "
-                f"for a loss-active token, got {rows} rows after {self.turns} turns "
-                f"(a token appended after the last routed token, such as an EOS, must "
-                f"carry loss mask 0)"
+                f"trajectory {tid}: loss_mask[{t}]",
+                expected=f"a captured route row {t - 1} for a loss-active token",
+                got=f"{rows} rows after {self.turns} turns "
+                "(a token appended after the last routed token, such as an EOS, must "
+                "carry loss mask 0)",
             )
         captured = self._trace.array(rows=rows)
         if captured.ndim != 3:  # nothing was ever recorded: no [layers, topk] to pad with

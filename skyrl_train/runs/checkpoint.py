@@ -19,6 +19,10 @@ parent. A crash at any point leaves the previous checkpoints and at most a temp 
 with the standard library only, so a launch refuses a damaged ``trainer.resume_from``
 in seconds, before Ray starts; every refusal is one ``CheckpointError`` naming the
 file, what was expected and what was found.
+
+Kept whole: the save protocol and its verification are one contract (the manifest a save
+writes last is exactly what verify_checkpoint and the resume checks read), and crash
+safety is reviewed by reading both sides together.
 """
 
 from __future__ import annotations
@@ -291,8 +295,9 @@ def check_world_size(found: Checkpoint, *, num_trainers: int) -> None:
         # Each rank's file holds its own expert shard and optimizer state.
         raise ConfigValidationError(
             "trainer.placement.num_trainers",
-            f"expected the world size {found.world_size} that {str(found.folder)!r} was "
-            f"saved at ({DRIVER_FILE}), got {num_trainers}",
+            expected=f"the world size {found.world_size} that {str(found.folder)!r} was "
+            f"saved at ({DRIVER_FILE})",
+            got=str(num_trainers),
         )
 
 

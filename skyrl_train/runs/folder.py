@@ -89,10 +89,10 @@ def check_run_dir(trainer: TrainerConfig) -> None:
         if found:
             raise ConfigValidationError(
                 "trainer.run_dir",
-                f"expected a folder no other run has written to (pick a new "
-                f"trainer.run_dir, or continue that run with trainer.resume_from=latest or "
-                f"one of its checkpoints), got {str(run_dir)!r}, which holds "
-                f"{_describe(run_dir, found)}",
+                expected="a folder no other run has written to (pick a new "
+                "trainer.run_dir, or continue that run with trainer.resume_from=latest or "
+                "one of its checkpoints)",
+                got=f"{str(run_dir)!r}, which holds {_describe(run_dir, found)}",
             )
         return
     checkpoint = Path(resume).resolve()
@@ -103,10 +103,10 @@ def check_run_dir(trainer: TrainerConfig) -> None:
         if started_from(run_dir) != checkpoint:
             raise ConfigValidationError(
                 "trainer.run_dir",
-                f"expected a fresh folder for a run branched from {str(checkpoint)!r} "
-                f"(pick a new trainer.run_dir, or continue the run that folder holds with "
-                f"trainer.resume_from=latest), got {str(run_dir)!r}, which holds "
-                f"{_describe(run_dir, found)}",
+                expected=f"a fresh folder for a run branched from {str(checkpoint)!r} "
+                "(pick a new trainer.run_dir, or continue the run that folder holds with "
+                "trainer.resume_from=latest)",
+                got=f"{str(run_dir)!r}, which holds {_describe(run_dir, found)}",
             )
     _check_later_checkpoints(trainer, checkpoint, suggest_latest=True)
 
@@ -130,10 +130,10 @@ def resolve_resume(cfg: PPOConfig) -> PPOConfig:
             why = "; ".join(f"{folder.name}: {exc}" for folder, exc in skipped)
             raise ConfigValidationError(
                 RESUME_KEY,
-                f"expected a checkpoint under {str(root)!r} whose files verify, got "
-                f"{'none that does (' + why + ')' if skipped else 'none'}, in a folder "
+                expected=f"a checkpoint under {str(root)!r} whose files verify",
+                got=f"{'none that does (' + why + ')' if skipped else 'none'}, in a folder "
                 f"another launch wrote ({_describe(run_dir, artefacts)}); pick a new "
-                f"trainer.run_dir or a trainer.resume_from checkpoint",
+                "trainer.run_dir or a trainer.resume_from checkpoint",
             )
         logger.info("trainer.resume_from=latest: no checkpoint under %s, starting fresh", root)
         resolved = None
@@ -199,9 +199,10 @@ def _check_later_checkpoints(
         )
         raise ConfigValidationError(
             "trainer.overwrite_later_checkpoints",
-            f"expected true to resume from step {step} ({str(checkpoint)!r}) into "
+            expected=f"true to resume from step {step} ({str(checkpoint)!r}) into "
             f"{str(root)!r}, which holds later checkpoints ({', '.join(later)}) that this "
-            f"run's saves would replace and its pruning delete{hint}, got false",
+            f"run's saves would replace and its pruning delete{hint}",
+            got="false",
         )
 
 

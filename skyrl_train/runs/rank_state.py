@@ -145,8 +145,8 @@ def load_rank_state(
     if saved != world_size:
         raise ConfigValidationError(
             "trainer.placement.num_trainers",
-            f"expected the checkpoint's world size {saved} to resume {str(folder)!r}, "
-            f"got {world_size}",
+            expected=f"the checkpoint's world size {saved} to resume {str(folder)!r}",
+            got=str(world_size),
         )
     # Files written before layouts were recorded carry none; world size is their check.
     saved_layout = state.get("layout") or layout or {}
@@ -154,8 +154,9 @@ def load_rank_state(
         if saved_layout.get(name) != value:
             raise ConfigValidationError(
                 f"trainer.policy.megatron_config.{name}",
-                f"expected the checkpoint's {saved_layout.get(name)!r} to resume "
-                f"{str(folder)!r}, got {value!r}",
+                expected=f"the checkpoint's {saved_layout.get(name)!r} to resume "
+                f"{str(folder)!r}",
+                got=repr(value),
             )
     return state
 

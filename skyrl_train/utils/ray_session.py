@@ -122,16 +122,15 @@ def require_cpus(requests: Mapping[str, tuple[int, float]], *, local: bool) -> N
     if want <= have + 1e-9:
         return
     parts = " + ".join(f"{count} x {each:g} ({key})" for key, (count, each) in requests.items())
-    reason = (
-        f"expected the actors' CPUs to fit Ray's {have:g} (ray.num_cpus, or what Ray "
-        f"counted), got {parts} = {want:g}"
+    error = ConfigValidationError(
+        max(requests, key=lambda k: requests[k][0] * requests[k][1]),
+        expected=f"the actors' CPUs to fit Ray's {have:g} (ray.num_cpus, or what Ray counted)",
+        got=f"{parts} = {want:g}",
     )
     if not local:
-        logger.warning("%s; waiting for the cluster to provide them", reason)
+        logger.warning("%s; waiting for the cluster to provide them", error.reason)
         return
-    raise ConfigValidationError(
-        max(requests, key=lambda k: requests[k][0] * requests[k][1]), reason
-    )
+    raise error
 
 
 def rendezvous_url() -> str:

@@ -181,12 +181,14 @@ def check_trackers(trackers: Sequence[str]) -> None:
     for i, name in enumerate(trackers):
         key = f"logging.trackers[{i}]"
         if name not in TRACKERS:
-            raise ConfigValidationError(key, f"expected one of {', '.join(TRACKERS)}, got {name!r}")
+            raise ConfigValidationError(
+                key, expected=f"one of {', '.join(TRACKERS)}", got=repr(name)
+            )
         if name in first_at:
             raise ConfigValidationError(
                 key,
-                f"expected each tracker once, got {name!r} again "
-                f"(also logging.trackers[{first_at[name]}])",
+                expected="each tracker once",
+                got=f"{name!r} again (also logging.trackers[{first_at[name]}])",
             )
         first_at[name] = i
         module = TRACKERS[name].requires
@@ -197,8 +199,8 @@ def check_trackers(trackers: Sequence[str]) -> None:
         except ImportError as exc:
             raise ConfigValidationError(
                 key,
-                f"expected an installed tracker (pip install 'skyrl-r3[{name}]'), "
-                f"got {name!r} ({exc})",
+                expected=f"an installed tracker (pip install 'skyrl-r3[{name}]')",
+                got=f"{name!r} ({exc})",
             ) from exc
 
 

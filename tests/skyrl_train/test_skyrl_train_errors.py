@@ -27,7 +27,7 @@ def test_every_exception_derives_from_the_root_and_stays_a_value_error() -> None
 
 
 def test_config_errors_read_path_expected_got() -> None:
-    err = ConfigValidationError("trainer.epochs", "expected an int >= 1, got 0")
+    err = ConfigValidationError("trainer.epochs", expected="an int >= 1", got="0")
     assert (err.path, err.reason) == ("trainer.epochs", "expected an int >= 1, got 0")
     assert str(err) == "trainer.epochs: expected an int >= 1, got 0"
     with pytest.raises(ConfigValidationError) as info:

@@ -52,6 +52,7 @@ def clip_grad_norm(
     expert_sq = torch.zeros((), dtype=torch.float64)
     with_grad = [p for p in params if p.grad is not None]
     for p in with_grad:
+        assert p.grad is not None
         sq = p.grad.detach().double().pow(2).sum().cpu()
         if _is_expert(p):
             expert_sq += sq
@@ -66,5 +67,6 @@ def clip_grad_norm(
     if max_norm > 0 and norm > max_norm:
         scale = max_norm / (norm + 1e-6)
         for p in with_grad:
+            assert p.grad is not None
             p.grad.mul_(scale)
     return norm

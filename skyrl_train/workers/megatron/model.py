@@ -130,16 +130,16 @@ def build_transformer_config(arch: MoEArchitecture, mc: MegatronConfig) -> Any:
         # would need the other ranks' sums of squares, which nothing here reduces.
         raise ConfigValidationError(
             f"{MEGATRON_CONFIG_KEY}.tensor_model_parallel_size",
-            f"expected 1 for a {arch.family} model (q/k RMSNorm over the whole "
-            f"projection), got {mc.tensor_model_parallel_size}",
+            expected=f"1 for a {arch.family} model (q/k RMSNorm over the whole projection)",
+            got=str(mc.tensor_model_parallel_size),
         )
     if arch.tie_word_embeddings and mc.pipeline_model_parallel_size > 1:
         # Tied weights live on the first and the last stage, and their gradients would
         # need an all-reduce over the embedding group that nothing here runs.
         raise ConfigValidationError(
             f"{MEGATRON_CONFIG_KEY}.pipeline_model_parallel_size",
-            f"expected 1 for a checkpoint with tie_word_embeddings=true, got "
-            f"{mc.pipeline_model_parallel_size}",
+            expected="1 for a checkpoint with tie_word_embeddings=true",
+            got=str(mc.pipeline_model_parallel_size),
         )
     kwargs = transformer_config_kwargs(arch, mc)
     # On the kwargs first, so a refused value is named before megatron-core's own

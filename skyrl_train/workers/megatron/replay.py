@@ -84,8 +84,9 @@ def local_routers(chunks: Sequence[Any]) -> LocalRouters:
     stray = [n for _, n, _c in found if n not in moe_layers]
     if stray:
         raise RouteReplayError(
-            f"moe_layer_freq: expected routers in decoder layers {list(moe_layers)}, "
-            f"got routers in layers {stray}"
+            "moe_layer_freq",
+            expected=f"routers in decoder layers {list(moe_layers)}",
+            got=f"routers in layers {stray}",
         )
     replay_enabled = bool(config.moe_enable_routing_replay)
     if replay_enabled:
@@ -94,8 +95,9 @@ def local_routers(chunks: Sequence[Any]) -> LocalRouters:
         missing = [n for r, n, _c in found if id(r.router_replay) not in order]
         if missing or len(registry) != len(found):
             raise RouteReplayError(
-                f"RouterReplay registry: expected this model's {len(found)} routers, got "
-                f"{len(registry)} registered (another model built since? layers {missing})"
+                "RouterReplay registry",
+                expected=f"this model's {len(found)} routers",
+                got=f"{len(registry)} registered (another model built since? layers {missing})",
             )
         found.sort(key=lambda item: order[id(item[0].router_replay)])
     return LocalRouters(
@@ -118,8 +120,9 @@ def check_registry(routers: LocalRouters) -> None:
     mine = [id(module.router_replay) for module in routers.modules]
     if registered != mine:
         raise RouteReplayError(
-            f"RouterReplay registry: expected this model's {len(mine)} routers, got "
-            f"{len(registered)} other instances (a model built since setup replaced them)"
+            "RouterReplay registry",
+            expected=f"this model's {len(mine)} routers",
+            got=f"{len(registered)} other instances (a model built since setup replaced them)",
         )
 
 
@@ -127,13 +130,14 @@ def check_route_shape(routes: torch.Tensor, routers: LocalRouters) -> None:
     """Refuse a route tensor that is not ``[B, S, L_moe, K]`` for this model."""
     if routes.dim() != 4:
         raise RouteReplayError(
-            f"routed_experts: expected [B, S, L, K], got shape {tuple(routes.shape)}"
+            "routed_experts", expected="[B, S, L, K]", got=f"shape {tuple(routes.shape)}"
         )
     layers, top_k = routes.shape[2], routes.shape[3]
     if layers != routers.num_layers or top_k != routers.top_k:
         raise RouteReplayError(
-            f"routed_experts: expected {routers.num_layers} MoE layers x top-{routers.top_k} "
-            f"(the model's), got {layers} layers x top-{top_k}"
+            "routed_experts",
+            expected=f"{routers.num_layers} MoE layers x top-{routers.top_k} (the model's)",
+            got=f"{layers} layers x top-{top_k}",
         )
 
 
@@ -161,10 +165,10 @@ def validate_routes(
     check_route_shape(routes, routers)
     batch, _seq, _layers, top_k = routes.shape
     if names is not None and len(names) != batch:
-        raise RouteReplayError(f"trajectory_ids: expected {batch} ids, got {len(names)}")
+        raise RouteReplayError("trajectory_ids", expected=f"{batch} ids", got=str(len(names)))
     if routes.is_floating_point() or routes.dtype == torch.bool:
         raise RouteReplayError(
-            f"routed_experts.dtype: expected an integer dtype, got {routes.dtype}"
+            "routed_experts.dtype", expected="an integer dtype", got=str(routes.dtype)
         )
     ids = routes.to(torch.int64)
     bad = (ids < 0) | (ids >= routers.num_experts)
@@ -172,8 +176,9 @@ def validate_routes(
         b, s, layer, k = (int(x) for x in bad.nonzero()[0])
         where = routers.describe_layer(layer)
         raise RouteReplayError(
-            f"{who(b)}, {where}, token {s}: expected expert ids in "
-            f"[0, {routers.num_experts}), got {int(ids[b, s, layer, k])}"
+            f"{who(b)}, {where}, token {s}",
+            expected=f"expert ids in [0, {routers.num_experts})",
+            got=str(int(ids[b, s, layer, k])),
         )
     ordered = ids.sort(dim=3).values
     repeated = (ordered[..., 1:] == ordered[..., :-1]).any(dim=3)
@@ -181,8 +186,9 @@ def validate_routes(
         b, s, layer = (int(x) for x in repeated.nonzero()[0])
         where = routers.describe_layer(layer)
         raise RouteReplayError(
-            f"{who(b)}, {where}, token {s}: expected {top_k} distinct experts, got "
-            f"{ids[b, s, layer].tolist()}"
+            f"{who(b)}, {where}, token {s}",
+            expected=f"{top_k} distinct experts",
+            got=str(ids[b, s, layer].tolist()),
         )
 
 
@@ -254,8 +260,9 @@ def replay_session(routers: LocalRouters) -> Iterator[None]:
     state and leave clean state, an exception included."""
     if not routers.replay_enabled:
         raise RouteReplayError(
-            "moe_enable_routing_replay: expected True on the built model to replay "
-            "routes, got False"
+            "moe_enable_routing_replay",
+            expected="True on the built model to replay routes",
+            got="False",
         )
     check_registry(routers)
     clear_replay_state()
@@ -295,10 +302,10 @@ class DispatchCapture:
             # nonzero() of a ragged map reshapes into misgrouped rows, or fails opaquely.
             where = self._routers.describe_layer(self._routers.route_layers[index])
             raise RouteReplayError(
-                f"dispatched routes, {where}, microbatch {microbatch}: expected {tokens} "
-                f"tokens x top-{top_k} = {tokens * top_k} routes, got "
-                f"{int(per_token.sum())} ({int((per_token != top_k).sum())} of the {tokens} "
-                f"tokens with another count; is moe_expert_capacity_factor set?)"
+                f"dispatched routes, {where}, microbatch {microbatch}",
+                expected=f"{tokens} tokens x top-{top_k} = {tokens * top_k} routes",
+                got=f"{int(per_token.sum())} ({int((per_token != top_k).sum())} of the {tokens} "
+                "tokens with another count; is moe_expert_capacity_factor set?)",
             )
         ids = routing_map.nonzero()[:, 1].reshape(tokens, top_k)
         rows = ids.reshape(seq, batch, top_k).transpose(0, 1).detach().cpu()

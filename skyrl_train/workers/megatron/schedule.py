@@ -192,8 +192,9 @@ def gather_routes(
             if i not in seen:  # a hook that never fired: no forward reached that router
                 where = routers.describe_layer(routers.route_layers[i])
                 raise RouteReplayError(
-                    f"dispatched routes, {where}, microbatch {m}: expected the router to "
-                    f"dispatch in the forward, got nothing"
+                    f"dispatched routes, {where}, microbatch {m}",
+                    expected="the router to dispatch in the forward",
+                    got="nothing",
                 )
         local = torch.stack([seen[i][: mb.batch_size] for i in range(len(routers.modules))], dim=2)
         local = shift_rows(local, -layout.shifts, route_filler_tensor(local))
