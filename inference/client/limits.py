@@ -8,7 +8,7 @@ garbage reply (the security review's measurement). Each request now carries a ca
       REPLY_SLACK_BYTES                                   # keys, model name, envelope heads
       + max_tokens * TOKEN_JSON_BYTES                     # token ids and logprob objects
       + b64((P - s - 1 + max_tokens) * row_bytes)         # routes, when requested
-      + 2 * b64(max_tokens * k * 4)                       # sample support, when requested
+      + 2 * b64(max_tokens * k * 4) + b64(max_tokens * 4) # sample support and set sizes
 
   where P is the prompt length, s ``routed_experts_prompt_start``, ``b64(n)`` the base64
   length of n bytes (4/3 n), ``row_bytes`` ``num_layers * top_k * id width``
@@ -148,6 +148,7 @@ def generate_reply_cap(
         cap += _base64_len(rows * route_shape.row_bytes)
     if support_k > 0:
         cap += 2 * _base64_len(max_tokens * support_k * 4)  # int32 ids + float32 logprobs
+        cap += _base64_len(max_tokens * 4)  # int32 kept-set sizes
     return cap
 
 

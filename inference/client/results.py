@@ -58,6 +58,9 @@ class GenerateResult:
     routed_experts: np.ndarray | None = None
     sample_support_ids: np.ndarray | None = None
     sample_support_logprobs: np.ndarray | None = None
+    sample_support_size: np.ndarray | None = None
+    """``[G]`` int32 kept-set size per generated token (with the support; None from a
+    server that does not send it): above k, the listed candidates are cut short."""
     num_clamped_logprobs: int = 0
     """How many of this reply's logprobs the server clamped to -9999.0."""
     policy_version: int | None = None
@@ -79,24 +82,20 @@ class GenerateResult:
         return None if self.policy_version is None else (self.policy_version,)
 
 
-def _fail(path: str, expected: str, got: Any) -> GenerateProtocolError:
-    return GenerateProtocolError(path, expected, got)
-
-
 def single_choice(body: Any) -> tuple[dict[str, Any], int]:
     """The one choice of a reply to a one-prompt request, and the clamp count."""
     if not isinstance(body, dict):
-        raise _fail("$", "a JSON object", type(body).__name__)
+        raise GenerateProtocolError("$", "a JSON object", type(body).__name__)
     choices = body.get("choices")
     if not isinstance(choices, list) or len(choices) != 1:
         got = f"{len(choices)} choices" if isinstance(choices, list) else choices
-        raise _fail("$.choices", "a list of exactly 1 choice", got)
+        raise GenerateProtocolError("$.choices", "a list of exactly 1 choice", got)
     choice = choices[0]
     if not isinstance(choice, dict):
-        raise _fail("$.choices[0]", "a JSON object", type(choice).__name__)
+        raise GenerateProtocolError("$.choices[0]", "a JSON object", type(choice).__name__)
     clamped = body.get("num_clamped_logprobs", 0)
     if isinstance(clamped, bool) or not isinstance(clamped, int) or clamped < 0:
-        raise _fail("$.num_clamped_logprobs", "an int >= 0", clamped)
+        raise GenerateProtocolError("$.num_clamped_logprobs", "an int >= 0", clamped)
     return choice, clamped
 
 
@@ -106,7 +105,7 @@ def reply_policy_version(body: dict[str, Any]) -> int | None:
         return None
     version = body["policy_version"]
     if type(version) is not int or version < 0:
-        raise _fail("$.policy_version", "an int >= 0", version)
+        raise GenerateProtocolError("$.policy_version", "an int >= 0", version)
     return version
 
 
@@ -115,10 +114,10 @@ def parse_choice(choice: dict[str, Any], *, num_clamped_logprobs: int) -> Genera
     path = "$.choices[0]"
     token_ids = choice.get("token_ids")
     if not isinstance(token_ids, list) or not all(type(t) is int for t in token_ids):
-        raise _fail(f"{path}.token_ids", "a list of ints", token_ids)
+        raise GenerateProtocolError(f"{path}.token_ids", "a list of ints", token_ids)
     finish_reason = choice.get("finish_reason")
     if not isinstance(finish_reason, str):
-        raise _fail(f"{path}.finish_reason", "a string", finish_reason)
+        raise GenerateProtocolError(f"{path}.finish_reason", "a string", finish_reason)
     return GenerateResult(
         response_ids=token_ids,
         finish_reason=finish_reason,
@@ -131,14 +130,16 @@ def _parse_logprobs(value: Any, num_tokens: int, path: str) -> list[float] | Non
     if value is None:
         return None
     if not isinstance(value, dict) or not isinstance(value.get("content"), list):
-        raise _fail(path, 'null or {"content": [{"logprob": x}, ...]}', value)
+        raise GenerateProtocolError(path, 'null or {"content": [{"logprob": x}, ...]}', value)
     content = value["content"]
     if len(content) != num_tokens:
-        raise _fail(f"{path}.content", f"{num_tokens} entries (one per token)", len(content))
+        raise GenerateProtocolError(
+            f"{path}.content", f"{num_tokens} entries (one per token)", len(content)
+        )
     out: list[float] = []
     for i, entry in enumerate(content):
         logprob = entry.get("logprob") if isinstance(entry, dict) else None
         if type(logprob) is not float and type(logprob) is not int:
-            raise _fail(f"{path}.content[{i}].logprob", "a number", entry)
+            raise GenerateProtocolError(f"{path}.content[{i}].logprob", "a number", entry)
         out.append(float(logprob))
     return out

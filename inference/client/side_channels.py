@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from inference.client.results import GenerateResult
 from inference.errors import GenerateProtocolError, WireError
 from inference.wire import (
@@ -35,6 +37,25 @@ def _envelope(choice: dict[str, Any], field: PackedField) -> Any:
             f"{_CHOICE}.{field.key}", "an envelope object (it was requested)", payload
         )
     return payload
+
+
+def _check_sizes(sizes: np.ndarray, ids: np.ndarray, num_generated: int) -> None:
+    path = f"{_CHOICE}.rollout_sample_support_size"
+    if sizes.shape[0] != num_generated:
+        raise GenerateProtocolError(
+            f"{path}.shape[0]", f"{num_generated} sizes (one per generated token)", sizes.shape[0]
+        )
+    # The ids are the kept set's first k, so a row lists min(size, k) of them; any
+    # other count means the ids and the sizes describe different sets.
+    listed = (ids >= 0).sum(axis=1)
+    bad = np.flatnonzero(listed != np.minimum(sizes, ids.shape[1]))
+    if bad.size:
+        row = int(bad[0])
+        raise GenerateProtocolError(
+            f"{path}[{row}]",
+            f"a size matching the {int(listed[row])} listed ids (k = {ids.shape[1]})",
+            int(sizes[row]),
+        )
 
 
 def decode_side_channels(
@@ -73,6 +94,15 @@ def decode_side_channels(
                 )
             result.sample_support_ids = ids
             result.sample_support_logprobs = logprobs
+            size = choice.get(PackedField.ROLLOUT_SAMPLE_SUPPORT_SIZE.key)
+            if size is not None:  # a server from before the field sends none
+                sizes = decode_packed_field(
+                    PackedField.ROLLOUT_SAMPLE_SUPPORT_SIZE,
+                    size,
+                    path=f"{_CHOICE}.rollout_sample_support_size",
+                )
+                _check_sizes(sizes, ids, num_generated)
+                result.sample_support_size = sizes
     except WireError as exc:
         raise as_protocol_error(exc) from exc
     except TypeError as exc:  # the wire's "not a mapping / not an array" class

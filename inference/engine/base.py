@@ -78,6 +78,23 @@ def check_top_k(value: object, *, field: str, vocab_size: int | None = None) -> 
     raise RequestValidationError(field, TOP_K_RULE, value)
 
 
+RAW_LOGPROBS = "raw_logprobs"
+PROCESSED_LOGPROBS = "processed_logprobs"
+LOGPROBS_MODES = (RAW_LOGPROBS, PROCESSED_LOGPROBS)
+"""vLLM's names: log softmax of the raw logits, or log q of the distribution the
+sampler draws from (temperature, top-k, top-p; ``inference/engine/sampling.py``)."""
+LOGPROBS_MODE_RULE = f"one of {list(LOGPROBS_MODES)}"
+
+
+def check_logprobs_mode(value: object, *, field: str) -> str | None:
+    """``value`` when it is one of ``LOGPROBS_MODES`` or None, else
+    ``RequestValidationError(field, LOGPROBS_MODE_RULE, value)``: the one check for
+    the HTTP request and the engine."""
+    if value is None or (isinstance(value, str) and value in LOGPROBS_MODES):
+        return value
+    raise RequestValidationError(field, LOGPROBS_MODE_RULE, value)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 64
@@ -92,6 +109,12 @@ class SamplingParams:
     """Extra stop ids; the engine's EOS ids (the checkpoint's) always stop too unless ``ignore_eos``."""
     ignore_eos: bool = False
     """Keep generating past eos (fixed-length benchmarks); ``stop_token_ids`` still stop."""
+    logprobs_mode: str | None = None
+    """Which distribution reported logprobs are under (``LOGPROBS_MODES``); None: the
+    server's own (``raw_logprobs`` here; a vLLM server's ``--logprobs-mode``). A
+    trainer asks for ``processed_logprobs``, the one its tokens were sampled from.
+    None rather than ``raw_logprobs`` by default: a vLLM server fixes its mode at
+    launch, so a default that named one would be refused there."""
 
 
 @dataclass(frozen=True)
@@ -102,7 +125,8 @@ class EngineRequest:
     routed_experts_prompt_start: int = 0
     """Route rows before this prompt position are not returned (already sent)."""
     sample_support_k: int = 0
-    """When > 0, return the top-k candidate ids and logprobs at every sampled position."""
+    """When > 0, return at every sampled position the sampler's kept set (its k most
+    likely ids, -1 past the set), their logprobs and the set's size."""
 
 
 @dataclass
@@ -111,7 +135,7 @@ class EngineOutput:
     finish_reason: str
     """"stop" (a stop token was sampled, and is included) or "length"."""
     logprobs: list[float]
-    """Logprob of each sampled token under the sampling distribution's model logits."""
+    """Logprob of each sampled token, under the request's ``logprobs_mode``."""
     policy_version: int
     """The engine's policy version when this output's batch ran; one batch runs under
     one version (weights are never loaded in the middle of a batch)."""
@@ -121,7 +145,10 @@ class EngineOutput:
     sample_support_ids: np.ndarray | None = None
     """[G, k] int32 candidate ids, trailing -1 padding, when requested."""
     sample_support_logprobs: np.ndarray | None = None
-    """[G, k] float32 logprobs of those candidates, when requested."""
+    """[G, k] float32 logprobs of those candidates (``logprobs_mode``), when requested."""
+    sample_support_size: np.ndarray | None = None
+    """[G] int32 kept-set size per position, when the support is requested: a size
+    above k means the listed candidates are only the k most likely of the set."""
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ from inference.engine.base import (
     EngineOutput,
     EngineRequest,
     SamplingParams,
+    check_logprobs_mode,
     check_temperature,
     check_top_k,
     check_top_p,
@@ -81,6 +82,7 @@ def _validate_sampling(params: SamplingParams, *, field: str, vocab_size: int) -
     check_temperature(params.temperature, field=f"{field}.temperature")
     check_top_p(params.top_p, field=f"{field}.top_p")
     check_top_k(params.top_k, field=f"{field}.top_k")
+    check_logprobs_mode(params.logprobs_mode, field=f"{field}.logprobs_mode")
     if params.seed is not None and (
         isinstance(params.seed, bool) or not isinstance(params.seed, int) or params.seed < 0
     ):
@@ -149,6 +151,7 @@ def run_batch(
     logprob_buf = torch.zeros((batch, max_new), dtype=torch.float32)
     support_ids_buf = torch.full((batch, max_new, support_k), -1, dtype=torch.int32)
     support_lp_buf = torch.full((batch, max_new, support_k), float("-inf"))
+    support_size_buf = torch.zeros((batch, max_new), dtype=torch.int32)
     step_routes: torch.Tensor | None = None
     generated = torch.zeros(batch, dtype=torch.long)
     finished_stop = torch.zeros(batch, dtype=torch.bool)
@@ -189,6 +192,7 @@ def run_batch(
             if sample.support_ids is not None:
                 support_ids_buf[alive, step] = sample.support_ids
                 support_lp_buf[alive, step] = sample.support_logprobs  # type: ignore[assignment]
+                support_size_buf[alive, step] = sample.support_size  # type: ignore[assignment]
             generated[alive] += 1
             hit_stop = stop_mask[alive, sample.tokens]
             finished_stop[alive] = hit_stop
@@ -243,5 +247,6 @@ def run_batch(
             k = req.sample_support_k
             out_b.sample_support_ids = support_ids_buf[b, :g, :k].numpy().copy()
             out_b.sample_support_logprobs = support_lp_buf[b, :g, :k].numpy().copy()
+            out_b.sample_support_size = support_size_buf[b, :g].numpy().copy()
         outputs.append(out_b)
     return outputs

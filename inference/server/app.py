@@ -12,7 +12,9 @@ Routes
                              "top_p": float,
                              "top_k": int (-1 = off), "seed": int | null,
                              "stop_token_ids": [int, ...],
-                             "routed_experts_prompt_start": int},   # used with routes
+                             "routed_experts_prompt_start": int,    # used with routes
+                             "logprobs_mode": "raw_logprobs" (default)
+                                              | "processed_logprobs"},
          "return_routed_experts": bool,                # side channel: routes
          "return_sample_support": bool | int,          # side channel: true = default k
          "return_packed_body": bool,                   # ids and logprobs as envelopes
@@ -26,7 +28,15 @@ Routes
                       "logprobs": {"content": [{"logprob": x}, ...]},
                       "routed_experts": envelope | null,             # [P-s+G-1, L, K]
                       "rollout_sample_support": envelope | null,     # [G, k] int32
-                      "rollout_sample_support_logprobs": envelope | null}]}
+                      "rollout_sample_support_logprobs": envelope | null,  # [G, k]
+                      "rollout_sample_support_size": envelope | null}]}    # [G] int32
+
+    ``logprobs_mode`` picks what every reported logprob is: ``raw_logprobs``, log
+    softmax of the model's logits; ``processed_logprobs``, log q of the distribution
+    the token was drawn from (temperature, top-k, top-p; 0 for greedy; the definition
+    is ``inference/engine/sampling.py``'s). The support lists each position's kept set,
+    most likely first, -1 past it, with its logprobs in the same mode, and its size:
+    above k, the listed ids are only the first k of the set.
 
     With ``return_packed_body`` the choice's ``token_ids`` and ``logprobs`` are null
     and ``packed_token_ids`` ([G] int32) and ``packed_logprobs`` ([G] float32) carry

@@ -50,7 +50,9 @@ def render_generate_reply(
             raise RuntimeError("engine: expected routed_experts (requested), got None")
         support = request.sample_support_k > 0
         if support and (
-            output.sample_support_ids is None or output.sample_support_logprobs is None
+            output.sample_support_ids is None
+            or output.sample_support_logprobs is None
+            or output.sample_support_size is None
         ):
             raise RuntimeError("engine: expected sample support (requested), got None")
         choice[PackedField.ROUTED_EXPERTS.key] = routes
@@ -59,6 +61,9 @@ def render_generate_reply(
         )
         choice[PackedField.ROLLOUT_SAMPLE_SUPPORT_LOGPROBS.key] = (
             output.sample_support_logprobs if support else None
+        )
+        choice[PackedField.ROLLOUT_SAMPLE_SUPPORT_SIZE.key] = (
+            output.sample_support_size if support else None
         )
     body = dumps_generate_response(
         [choice],

@@ -16,6 +16,7 @@ from typing import Any
 from inference.engine.base import (
     EngineRequest,
     SamplingParams,
+    check_logprobs_mode,
     check_temperature,
     check_top_k,
     check_top_p,
@@ -32,6 +33,7 @@ _SAMPLING_KEYS = (
     "seed",
     "stop_token_ids",
     "routed_experts_prompt_start",
+    "logprobs_mode",
 )
 _MAX_SEED = 2**63 - 1
 
@@ -153,6 +155,9 @@ def _sampling(params: dict[str, Any], limits: RequestLimits, *, prompt_len: int)
         top_k=top_k,
         seed=seed,
         stop_token_ids=tuple(stop),
+        logprobs_mode=check_logprobs_mode(
+            params.get("logprobs_mode", defaults.logprobs_mode), field=f"{path}.logprobs_mode"
+        ),
     )
 
 

@@ -51,6 +51,7 @@ from inference.vllm.layouts import to_vllm_layout
 from inference.vllm.push import WeightPush
 from inference.vllm.replies import parse_vllm_reply, policy_version_of
 from inference.vllm.senders import BucketSender, FileBucketSender
+from inference.vllm.spec import VLLM_LOGPROBS_MODE
 from inference.wire import NpyField, load_packed_body
 
 GENERATE_PATH: Final = "/inference/v1/generate"
@@ -192,6 +193,14 @@ class VLLMClient(HTTPClientBase):
                     "sampling_params, got both"
                 )
             params["routed_experts_prompt_start"] = routed_experts_prompt_start
+        mode = params.pop("logprobs_mode", None)
+        if mode not in (None, VLLM_LOGPROBS_MODE):
+            # vLLM fixes the mode per server (--logprobs-mode), not per request.
+            raise RequestValidationError(
+                "$.sampling_params.logprobs_mode",
+                f"{VLLM_LOGPROBS_MODE!r} (the mode the vLLM server was started with)",
+                mode,
+            )
         for key in params:
             if key not in SAMPLING_KEYS:
                 raise RequestValidationError(

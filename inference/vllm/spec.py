@@ -16,6 +16,11 @@ from typing import Any
 
 from inference.vllm.transport import BACKEND, WORKER_EXTENSION
 
+VLLM_LOGPROBS_MODE = "processed_logprobs"
+"""What every vLLM server here reports (``vllm_command`` passes
+``--logprobs-mode``): logprobs of the distribution the sampler drew from. A request
+may name it in ``sampling_params.logprobs_mode``; any other mode is refused."""
+
 __all__ = [
     "INSTALL_SCRIPT",
     "PYTHON_KEY",
@@ -182,7 +187,7 @@ def vllm_command(spec: VLLMServerSpec, *, python: str, port: int) -> list[str]:
     if spec.enforce_eager:
         argv.append("--enforce-eager")
     argv += ["--host", spec.host, "--port", str(port)]
-    argv += ["--logprobs-mode", "processed_logprobs"]
+    argv += ["--logprobs-mode", VLLM_LOGPROBS_MODE]
     argv += ["--worker-extension-cls", WORKER_EXTENSION]
     argv += ["--weight-transfer-config", json.dumps({"backend": BACKEND})]
     if spec.kv_cache_memory_bytes is not None:

@@ -121,6 +121,11 @@ def _validate_token_ids(arr: np.ndarray, path: str) -> None:
         raise WireError(path, "non-negative token ids", int(arr.min()))
 
 
+def _validate_sizes(arr: np.ndarray, path: str) -> None:
+    if arr.size and int(arr.min()) < 1:
+        raise WireError(path, "kept-set sizes >= 1", int(arr.min()))
+
+
 def _validate_no_nan(arr: np.ndarray, path: str) -> None:
     # -inf is a legal logprob (a padded or impossible candidate); NaN never is.
     if np.isnan(arr).any() or np.isposinf(arr).any():
@@ -184,6 +189,11 @@ class PackedField(str, Enum):
     # [tokens, k] logprobs of those candidates.
     ROLLOUT_SAMPLE_SUPPORT_LOGPROBS = FieldSpec(
         "rollout_sample_support_logprobs", ("float32",), 2, _validate_no_nan, _to_float32
+    )
+    # [tokens] how many ids the sampler kept at each position; above k, the listed
+    # support is only the k most likely of them.
+    ROLLOUT_SAMPLE_SUPPORT_SIZE = FieldSpec(
+        "rollout_sample_support_size", ("int32",), 1, _validate_sizes, _to_int32
     )
     # Opt-in fully packed body: the plain "token_ids" list and per-token
     # "logprobs.content" objects sent as 1-D envelopes instead (43 ms vs 218 ms).

@@ -1,5 +1,5 @@
-"""Advantage estimators, policy losses, learning signals and R3 health metrics: pure
-torch functions, no trainer state."""
+"""Advantage estimators, policy losses, off-policy corrections, learning signals and R3
+health metrics: pure torch functions, no trainer state."""
 
 from skyrl_train.algorithms.advantages import (
     ADVANTAGE_ESTIMATORS,
@@ -18,6 +18,14 @@ from skyrl_train.algorithms.mismatch import (
     RouterAgreement,
     logprob_mismatch,
     router_agreement,
+)
+from skyrl_train.algorithms.off_policy import (
+    SEQUENCE_MASK_METRICS,
+    TIS_RATIO_TYPES,
+    OffPolicyCorrection,
+    OffPolicyStats,
+    OffPolicyWeights,
+    off_policy_weights,
 )
 from skyrl_train.algorithms.policy_loss import (
     POLICY_LOSS_TYPES,
@@ -39,8 +47,13 @@ __all__ = [
     "GROUPED_ESTIMATORS",
     "MISSING_LOGPROB",
     "POLICY_LOSS_TYPES",
+    "SEQUENCE_MASK_METRICS",
+    "TIS_RATIO_TYPES",
     "GRPOAdvantages",
     "LogprobMismatch",
+    "OffPolicyCorrection",
+    "OffPolicyStats",
+    "OffPolicyWeights",
     "PolicyLossOutput",
     "RouterAgreement",
     "StepMetrics",
@@ -53,6 +66,7 @@ __all__ = [
     "kl_penalty",
     "logprob_mismatch",
     "mean_token_entropy",
+    "off_policy_weights",
     "ppo_policy_loss",
     "reduction_of",
     "router_agreement",

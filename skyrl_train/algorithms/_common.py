@@ -4,6 +4,13 @@ from __future__ import annotations
 
 import torch
 
+from inference.wire import LOGPROB_FLOOR
+
+MISSING_LOGPROB = LOGPROB_FLOOR
+"""The engine's stand-in for a missing or non-finite sampled logprob (-9999.0, the
+wire's ``LOGPROB_FLOOR``, so the two sides cannot drift): a rollout logprob at or
+below it is a placeholder, not a value."""
+
 
 def check_tensor(value: object, name: str, *, ndim: int) -> torch.Tensor:
     """``value`` as a tensor of ``ndim`` dims, else ``ValueError`` naming ``name``."""

@@ -12,11 +12,15 @@ from dataclasses import dataclass
 
 import torch
 
-from skyrl_train.algorithms._common import as_float_mask, check_same_shape, check_tensor, k3
+from skyrl_train.algorithms._common import (
+    MISSING_LOGPROB,
+    as_float_mask,
+    check_same_shape,
+    check_tensor,
+    k3,
+)
 
 LN2 = math.log(2.0)
-MISSING_LOGPROB = -9999.0
-"""The engine's stand-in for a missing or non-finite sampled logprob (wire contract)."""
 
 
 @dataclass

@@ -1,5 +1,5 @@
-"""Policy losses (PPO-clip and GSPO, token-mean, optional dual clip and TIS) and the k3
-KL penalty.
+"""Policy losses (PPO-clip and GSPO, token-mean, optional dual clip and off-policy
+correction) and the k3 KL penalty.
 
 Every log-ratio is clamped to +-20 before ``exp`` (``_common.LOG_RATIO_BOUND``) and
 masked positions are selected away, never multiplied by 0, so neither an overflowing
@@ -22,6 +22,12 @@ from skyrl_train.algorithms._common import (
     masked_log_ratio,
     masked_mean,
 )
+from skyrl_train.algorithms.off_policy import (
+    OffPolicyCorrection,
+    OffPolicyStats,
+    OffPolicyWeights,
+    off_policy_weights,
+)
 
 PolicyLossType = Literal["regular", "gspo"]
 POLICY_LOSS_TYPES: tuple[str, ...] = get_args(PolicyLossType)
@@ -34,8 +40,12 @@ class PolicyLossOutput:
     """Scalar, differentiable w.r.t. ``logprobs``."""
     metrics: dict[str, float]
     """``policy_loss``, ``clip_fraction``, ``dual_clip_fraction``, ``approx_kl``,
-    ``ratio_mean``, ``num_tokens``, and with TIS ``tis_weight_mean``, ``tis_clip_fraction``;
-    all means are over loss-active tokens (0.0 when there are none)."""
+    ``ratio_mean``, ``num_tokens``, and with an off-policy correction
+    ``tis_weight_mean``, ``tis_clip_fraction`` (over the tokens it left in the loss);
+    the other means are over loss-active tokens (0.0 when there are none)."""
+    off_policy: OffPolicyStats | None = None
+    """The correction's counts, None without one; sums, so a caller can combine
+    microbatches token-weighted (``OffPolicyStats.merge``)."""
 
 
 def ppo_policy_loss(
@@ -49,6 +59,7 @@ def ppo_policy_loss(
     clip_ratio_c: float | None = None,
     rollout_logprobs: torch.Tensor | None = None,
     tis_imp_ratio_cap: float | None = None,
+    off_policy_correction: OffPolicyCorrection | None = None,
     denominator: float | None = None,
 ) -> PolicyLossOutput:
     """Clipped surrogate loss (``policy_loss_type: regular``), token-mean over
@@ -59,9 +70,14 @@ def ppo_policy_loss(
     ``clip_ratio_c`` (> 1) tokens with A < 0 are further capped at -A * c (dual clip),
     so a huge ratio on a bad token cannot dominate the step.
 
-    Truncated importance sampling (``rollout_logprobs`` with ``tis_imp_ratio_cap``):
-    the rollout came from the inference engine, not from the trainer's old policy, so
-    each token is weighted by min(exp(old_logprobs - rollout_logprobs), cap), detached.
+    Off-policy correction (``rollout_logprobs`` with ``off_policy_correction``): the
+    rollout came from the inference engine, not from the trainer's old policy, so each
+    token's loss is multiplied by a detached weight from exp(old_logprobs -
+    rollout_logprobs), 0 on sequences a mask drops (``off_policy.off_policy_weights``).
+    ``tis_imp_ratio_cap`` is the older spelling of token TIS: the same as
+    ``OffPolicyCorrection(tis_ratio_type="token", token_tis_ratio_clip_high=cap)``.
+    A dropped sequence still counts in the token-mean denominator (see
+    ``_clipped_surrogate``).
 
     ``denominator`` replaces the token count of this call, so micro-batches of one
     mini-batch can all divide by the mini-batch's token count (a true token mean).
@@ -80,7 +96,9 @@ def ppo_policy_loss(
         eps_clip_low=eps_clip_low,
         eps_clip_high=eps_clip_high,
         clip_ratio_c=clip_ratio_c,
-        tis_weights=_tis_weights(old_logprobs, rollout_logprobs, tis_imp_ratio_cap, mask),
+        off_policy=_off_policy(
+            old_logprobs, rollout_logprobs, tis_imp_ratio_cap, off_policy_correction, mask
+        ),
         denominator=denominator,
     )
 
@@ -95,6 +113,7 @@ def gspo_policy_loss(
     eps_clip_high: float,
     rollout_logprobs: torch.Tensor | None = None,
     tis_imp_ratio_cap: float | None = None,
+    off_policy_correction: OffPolicyCorrection | None = None,
     denominator: float | None = None,
 ) -> PolicyLossOutput:
     """GSPO (``policy_loss_type: gspo``): one importance ratio per sequence.
@@ -108,7 +127,9 @@ def gspo_policy_loss(
 
     GSPO's ratios sit near 1 (a mean of log-ratios), so the paper clips far tighter
     than PPO, e.g. eps_clip_low=3e-4, eps_clip_high=4e-4; with PPO's 0.2 almost
-    nothing clips. No dual clip; TIS and ``denominator`` as in ``ppo_policy_loss``.
+    nothing clips. No dual clip; the off-policy correction and ``denominator`` as in
+    ``ppo_policy_loss`` (sequence TIS and the masks see whole rows, which is what a
+    microbatch holds).
     """
     mask = _check_inputs(
         logprobs, old_logprobs, advantages, loss_mask, eps_clip_low, eps_clip_high, denominator
@@ -127,7 +148,9 @@ def gspo_policy_loss(
         eps_clip_low=eps_clip_low,
         eps_clip_high=eps_clip_high,
         clip_ratio_c=None,
-        tis_weights=_tis_weights(old_logprobs, rollout_logprobs, tis_imp_ratio_cap, mask),
+        off_policy=_off_policy(
+            old_logprobs, rollout_logprobs, tis_imp_ratio_cap, off_policy_correction, mask
+        ),
         denominator=denominator,
     )
 
@@ -190,27 +213,38 @@ def _check_inputs(
     return mask
 
 
-def _tis_weights(
+def _off_policy(
     old_logprobs: torch.Tensor,
     rollout_logprobs: torch.Tensor | None,
     cap: float | None,
+    correction: OffPolicyCorrection | None,
     mask: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(min(exp(old - rollout), cap), whether the cap bit), detached; None without TIS."""
-    if (rollout_logprobs is None) != (cap is None):
+) -> OffPolicyWeights | None:
+    """The correction's weights, or None when none applies; ``cap`` (the older
+    ``tis_imp_ratio_cap`` argument) stands for token TIS with that clip."""
+    if cap is not None and correction is not None:
         raise ValueError(
-            "tis_imp_ratio_cap: expected it together with rollout_logprobs (both or neither), "
-            f"got cap={cap} and rollout_logprobs "
-            f"{'set' if rollout_logprobs is not None else 'None'}"
+            f"tis_imp_ratio_cap: expected None with off_policy_correction (it is the "
+            f"older spelling of token TIS), got {cap}"
         )
-    if rollout_logprobs is None or cap is None:
+    wanted = cap is not None or (correction is not None and correction.enabled)
+    if (rollout_logprobs is None) == wanted:
+        raise ValueError(
+            "tis_imp_ratio_cap: expected it (or an enabled off_policy_correction) together "
+            f"with rollout_logprobs (both or neither), got cap={cap}, off_policy_correction "
+            f"{'enabled' if correction is not None and correction.enabled else 'off'} and "
+            f"rollout_logprobs {'set' if rollout_logprobs is not None else 'None'}"
+        )
+    if rollout_logprobs is None:
         return None
+    if cap is not None:
+        if not cap > 0:
+            raise ValueError(f"tis_imp_ratio_cap: expected > 0, got {cap}")
+        correction = OffPolicyCorrection(tis_ratio_type="token", token_tis_ratio_clip_high=cap)
+    assert correction is not None
     rollout = check_tensor(rollout_logprobs, "rollout_logprobs", ndim=2)
     check_same_shape(rollout, "rollout_logprobs", old_logprobs.shape, "logprobs")
-    if not cap > 0:
-        raise ValueError(f"tis_imp_ratio_cap: expected > 0, got {cap}")
-    raw = torch.exp(masked_log_ratio(old_logprobs.detach(), rollout.detach(), mask))
-    return raw.clamp(max=cap), raw > cap
+    return off_policy_weights(old_logprobs, rollout, mask, correction)
 
 
 def _clipped_surrogate(
@@ -222,7 +256,7 @@ def _clipped_surrogate(
     eps_clip_low: float,
     eps_clip_high: float,
     clip_ratio_c: float | None,
-    tis_weights: tuple[torch.Tensor, torch.Tensor] | None,
+    off_policy: OffPolicyWeights | None,
     denominator: float | None,
 ) -> PolicyLossOutput:
     """The clipped objective on a (bounded) ``log_ratio``; ``token_log_ratio`` (detached)
@@ -240,11 +274,18 @@ def _clipped_surrogate(
         per_token = torch.where(negative, torch.minimum(per_token, cap), per_token)
 
     metrics: dict[str, float] = {}
-    if tis_weights is not None:
-        weight, capped = tis_weights
-        per_token = per_token * weight
-        metrics["tis_weight_mean"] = masked_mean(weight, mask).item()
-        metrics["tis_clip_fraction"] = masked_mean(capped.float(), mask).item()
+    if off_policy is not None:
+        # A masked sequence's tokens get weight 0 but stay in the token count the mean
+        # divides by (``mask``, not the kept tokens), as SkyRL does (it scales the
+        # advantages by the mini-batch's token count before correcting). Dropping them
+        # from the count would scale the surviving tokens' gradient up by how much was
+        # masked, so an off-policy batch would take a larger step than an on-policy
+        # one; and microbatches of one mini-batch share ``denominator`` anyway.
+        per_token = per_token * off_policy.weights
+        stats = off_policy.stats
+        kept = max(stats.kept_tokens, 1.0)
+        metrics["tis_weight_mean"] = stats.weight_sum / kept
+        metrics["tis_clip_fraction"] = stats.clipped_tokens / kept
 
     loss = masked_mean(per_token, mask, denominator=denominator)
     with torch.no_grad():
@@ -257,4 +298,6 @@ def _clipped_surrogate(
             ratio_mean=masked_mean(ratio, mask).item(),
             num_tokens=mask.sum().item(),
         )
-    return PolicyLossOutput(loss=loss, metrics=metrics)
+    return PolicyLossOutput(
+        loss=loss, metrics=metrics, off_policy=None if off_policy is None else off_policy.stats
+    )

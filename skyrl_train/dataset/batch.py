@@ -42,6 +42,10 @@ class TrainingBatch:
     router_padding_mask: torch.Tensor | None = None
     """[B, S] bool, True on padding and uncaptured rows (not the loss mask: prompt and
     observation tokens still replay). None when R3 is off."""
+    sample_support: torch.Tensor | None = None
+    """[B, R, k] int64 token ids the rollout's sampler kept at each response position
+    (top-k / top-p), -1 past the kept set and on positions it did not sample; the
+    trainer scores each token over this set (sampler replay). None without a cut."""
     advantages: torch.Tensor | None = None
     """[B, R] float32 per-token advantages; set by the trainer before the policy update."""
     old_logprobs: torch.Tensor | None = None

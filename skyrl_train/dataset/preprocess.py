@@ -18,15 +18,12 @@ import torch
 
 from skyrl_train.dataset.batch import TrainingBatch
 from skyrl_train.dataset.routes import RouteCollator, prepare_route_collation
+from skyrl_train.dataset.support import collate_sample_support
 from skyrl_train.errors import CollationError
 from skyrl_train.generators.base import GeneratorOutput
 from skyrl_train.utils.parallel import check_workers, fill_batch_rows
 
 __all__ = ["convert_to_training_batch"]
-
-
-def _fail(field: str, expected: str, got: object) -> CollationError:
-    return CollationError(f"{field}: expected {expected}, got {got}")
 
 
 def _describe(arr: np.ndarray) -> str:
@@ -36,10 +33,14 @@ def _describe(arr: np.ndarray) -> str:
 def _per_trajectory(output: GeneratorOutput, name: str, batch: int) -> Sequence:
     values = getattr(output, name)
     if isinstance(values, (str, bytes, np.ndarray)) or not isinstance(values, Sequence):
-        raise _fail(name, "a list with one entry per trajectory", type(values).__name__)
+        raise CollationError(
+            name, expected="a list with one entry per trajectory", got=type(values).__name__
+        )
     if len(values) != batch:
-        raise _fail(
-            name, f"{batch} entries (one per trajectory, like prompt_token_ids)", len(values)
+        raise CollationError(
+            name,
+            expected=f"{batch} entries (one per trajectory, like prompt_token_ids)",
+            got=str(len(values)),
         )
     return values
 
@@ -47,26 +48,28 @@ def _per_trajectory(output: GeneratorOutput, name: str, batch: int) -> Sequence:
 def _vector(value: object, field: str, *, kinds: str, dtype: type) -> np.ndarray:
     """A 1-D array of ``dtype`` from a list or array whose dtype kind is in ``kinds``."""
     if not isinstance(value, list | tuple | np.ndarray):
-        raise _fail(field, "a list", type(value).__name__)
+        raise CollationError(field, expected="a list", got=type(value).__name__)
     if len(value) == 0:
         return np.zeros(0, dtype=dtype)
     try:
         arr = np.asarray(value)
     except (ValueError, TypeError) as exc:  # ragged nesting
-        raise _fail(field, "a flat list of numbers", f"{type(exc).__name__}: {exc}") from None
+        raise CollationError(
+            field, expected="a flat list of numbers", got=f"{type(exc).__name__}: {exc}"
+        ) from None
     if arr.ndim != 1 or arr.dtype.kind not in kinds:
         names = {"b": "bool", "i": "int", "u": "uint", "f": "float"}
         wanted = "/".join(names[k] for k in kinds)
-        raise _fail(field, f"a flat list of {wanted} values", _describe(arr))
+        raise CollationError(field, expected=f"a flat list of {wanted} values", got=_describe(arr))
     return arr.astype(dtype, copy=False)
 
 
 def _check_tokens(value: object, field: str, *, min_len: int) -> np.ndarray:
     arr = _vector(value, field, kinds="iu", dtype=np.int64)
     if len(arr) < min_len:
-        raise _fail(field, f"at least {min_len} token(s)", len(arr))
+        raise CollationError(field, expected=f"at least {min_len} token(s)", got=str(len(arr)))
     if len(arr) and int(arr.min()) < 0:
-        raise _fail(field, "token ids >= 0", int(arr.min()))
+        raise CollationError(field, expected="token ids >= 0", got=str(int(arr.min())))
     return arr
 
 
@@ -75,9 +78,13 @@ def _check_aligned(
 ) -> np.ndarray:
     arr = _vector(value, field, kinds=kinds, dtype=dtype)
     if len(arr) != length:
-        raise _fail(field, f"{length} values (one per response token)", len(arr))
+        raise CollationError(
+            field, expected=f"{length} values (one per response token)", got=str(len(arr))
+        )
     if arr.dtype.kind == "f" and not np.isfinite(arr).all():
-        raise _fail(field, "finite values", f"{int((~np.isfinite(arr)).sum())} non-finite")
+        raise CollationError(
+            field, expected="finite values", got=f"{int((~np.isfinite(arr)).sum())} non-finite"
+        )
     return arr
 
 
@@ -93,12 +100,14 @@ class _Trajectory:
 def _validate(output: GeneratorOutput) -> tuple[list[_Trajectory], np.ndarray]:
     prompts = output.prompt_token_ids
     if isinstance(prompts, (str, bytes, np.ndarray)) or not isinstance(prompts, Sequence):
-        raise _fail(
-            "prompt_token_ids", "a list with one entry per trajectory", type(prompts).__name__
+        raise CollationError(
+            "prompt_token_ids",
+            expected="a list with one entry per trajectory",
+            got=type(prompts).__name__,
         )
     batch = len(prompts)
     if batch == 0:
-        raise _fail("prompt_token_ids", "at least one trajectory", 0)
+        raise CollationError("prompt_token_ids", expected="at least one trajectory", got="0")
     lists = {
         name: _per_trajectory(output, name, batch)
         for name in ("response_ids", "loss_masks", "token_rewards", "stop_reasons", "rewards")
@@ -109,7 +118,9 @@ def _validate(output: GeneratorOutput) -> tuple[list[_Trajectory], np.ndarray]:
     rewards = _vector(list(lists["rewards"]), "rewards", kinds="iuf", dtype=np.float32)
     if not np.isfinite(rewards).all():
         bad = int(np.flatnonzero(~np.isfinite(rewards))[0])
-        raise _fail(f"rewards[{bad}]", "a finite number", float(rewards[bad]))
+        raise CollationError(
+            f"rewards[{bad}]", expected="a finite number", got=str(float(rewards[bad]))
+        )
 
     trajectories = []
     for i in range(batch):
@@ -119,7 +130,11 @@ def _validate(output: GeneratorOutput) -> tuple[list[_Trajectory], np.ndarray]:
             lists["loss_masks"][i], f"loss_masks[{i}]", length=n, kinds="biu", dtype=np.int64
         )
         if n and not np.isin(loss_mask, (0, 1)).all():
-            raise _fail(f"loss_masks[{i}]", "values in {0, 1}", np.unique(loss_mask).tolist())
+            raise CollationError(
+                f"loss_masks[{i}]",
+                expected="values in {0, 1}",
+                got=str(np.unique(loss_mask).tolist()),
+            )
         trajectories.append(
             _Trajectory(
                 prompt=_check_tokens(prompts[i], f"prompt_token_ids[{i}]", min_len=1),
@@ -215,6 +230,14 @@ def convert_to_training_batch(
 
     fill_batch_rows(fill_row, len(trajectories), workers=workers)
     collated = routes.result() if routes is not None else None
+    support = None
+    if output.rollout_sample_support is not None:
+        support = collate_sample_support(
+            output.rollout_sample_support,
+            responses=[t.response for t in trajectories],
+            loss_masks=[t.loss_mask for t in trajectories],
+            response_width=tokens.response_width,
+        )
     return TrainingBatch(
         sequences=torch.from_numpy(tokens.sequences),
         attention_mask=torch.from_numpy(tokens.attention_mask),
@@ -227,4 +250,5 @@ def convert_to_training_batch(
         router_padding_mask=None
         if collated is None
         else torch.from_numpy(collated.router_padding_mask),
+        sample_support=support,
     )

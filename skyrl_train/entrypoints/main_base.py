@@ -105,7 +105,7 @@ def launch(cfg: PPOConfig) -> Iterator[Job]:
             runtime_env=cfg.ray.runtime_env,
         )
         engine = cfg.generator.inference_engine
-        engines = Engines(engine)
+        engines = Engines(engine, sample_support_k=cfg.generator.max_sample_support_k)
         policy: Any = None
         try:
             placement = cfg.trainer.placement
@@ -138,6 +138,7 @@ def launch(cfg: PPOConfig) -> Iterator[Job]:
                 api_key=server_key,
                 datasets=datasets,
                 client_options=ClientOptions.for_run(cfg, info, api_key=server_key),
+                vocab_size=info.architecture.vocab_size,
             )
             try:
                 yield Job(cfg=cfg, server_urls=urls, policy=policy, loop=loop, api_key=server_key)

@@ -48,6 +48,10 @@ class GeneratorOutput:
     """Per trajectory an integer array ``[rows, layers, topk]``: row t is the routing
     of token t of prompt+response when it was fed as input, for t < rows. Tokens at
     or beyond ``rows`` were never routed (the last token, say). None when R3 is off."""
+    rollout_sample_support: list[np.ndarray] | None = None
+    """Per trajectory an int32 array ``[R, k]``: the token ids the rollout's sampler kept
+    at each response position (its top-k / top-p set), -1 past the set and on
+    observation tokens. None when sampling had no cut (or for evaluation)."""
     solved: list[bool | None] | None = None
     """Per trajectory whether its episode was solved: True when a step's metadata said
     ``solved: True``, False when steps reported ``solved`` but never True, None when
@@ -81,6 +85,7 @@ class GeneratorOutput:
             rollout_metrics=dict(self.rollout_metrics),
             rollout_logprobs=pick(self.rollout_logprobs),
             routed_experts=pick(self.routed_experts),
+            rollout_sample_support=pick(self.rollout_sample_support),
             solved=reported_solved(pick(self.solved) or []),
             policy_versions=pick(self.policy_versions),
         )
@@ -121,6 +126,7 @@ def concat_outputs(parts: Sequence[GeneratorOutput]) -> GeneratorOutput:
         rollout_metrics=dict(parts[0].rollout_metrics),
         rollout_logprobs=join("rollout_logprobs"),
         routed_experts=join("routed_experts"),
+        rollout_sample_support=join("rollout_sample_support"),
         # Dynamic sampling's rounds draw different prompts, so one round may hold only
         # environments that never report ``solved`` while another reports it. Routes and
         # logprobs have no such excuse: a mix there is a broken generator.

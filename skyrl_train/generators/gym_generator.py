@@ -13,23 +13,29 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
 
 import skyrl_gym
+from inference.errors import GenerateProtocolError
 from skyrl_train.config.constraints import check_constraints
-from skyrl_train.config.schema import GeneratorConfig, SamplingParamsConfig
+from skyrl_train.config.schema import (
+    GeneratorConfig,
+    SamplingParamsConfig,
+    support_request_width,
+)
 from skyrl_train.config.validate import check_sampling_params
-from skyrl_train.errors import RouteTraceError
+from skyrl_train.errors import ConfigValidationError, RouteTraceError
 from skyrl_train.generators.base import GeneratorInput, GeneratorOutput, reported_solved
 from skyrl_train.generators.rendering import ChatTemplateRenderer, ObservationRenderer
 from skyrl_train.generators.traces import RoutedExpertTrace
-
-STOP_DONE = "done"
-STOP_MAX_TURNS = "max_turns"
-STOP_BUDGET = "budget"
+from skyrl_train.generators.trajectory import (
+    STOP_BUDGET,
+    STOP_DONE,
+    STOP_MAX_TURNS,
+    Trajectory,
+)
 
 
 class GenerateClient(Protocol):
@@ -49,46 +55,8 @@ class GenerateClient(Protocol):
         return_routed_experts: bool = False,
         routed_experts_prompt_start: int | None = None,
         return_packed_body: bool = False,
+        return_sample_support: bool | int = False,
     ) -> Any: ...
-
-
-@dataclass
-class _Trajectory:
-    index: int
-    prompt_ids: list[int]
-    response_ids: list[int] = field(default_factory=list)
-    loss_mask: list[int] = field(default_factory=list)
-    logprobs: list[float] | None = field(default_factory=list)
-    reward: float = 0.0
-    turns: int = 0
-    stop_reason: str = STOP_MAX_TURNS
-    length_finishes: int = 0
-    solved: bool | None = None
-    """None until a step's metadata reports ``solved``; then True once any step did."""
-    trace: RoutedExpertTrace | None = None
-    routes: np.ndarray | None = None
-    versions: list[tuple[int, ...] | None] = field(default_factory=list)
-    """Per turn, every policy version its reply's tokens came from (two or more when
-    the reply spanned a weight push); None: the server sent none."""
-
-    @property
-    def tokens(self) -> list[int]:
-        return self.prompt_ids + self.response_ids
-
-    def append(self, ids: Sequence[int], *, mask: int, logprobs: Sequence[float] | None) -> None:
-        self.response_ids.extend(ids)
-        self.loss_mask.extend([mask] * len(ids))
-        if self.logprobs is not None:
-            if logprobs is None:
-                self.logprobs = None  # the engine sent none: the whole output has none
-            else:
-                self.logprobs.extend(logprobs)
-
-    def truncate(self, budget: int) -> None:
-        """Cut ids, mask and logprobs to ``budget``; routes are cut in ``finalize``."""
-        del self.response_ids[budget:], self.loss_mask[budget:]
-        if self.logprobs is not None:
-            del self.logprobs[budget:]
 
 
 class GymGenerator:
@@ -105,6 +73,7 @@ class GymGenerator:
         progress: bool = True,
         stop_token_ids: Sequence[int] | None = None,
         renderer: ObservationRenderer | None = None,
+        vocab_size: int | None = None,
     ) -> None:
         """``config``: the ``generator`` node, read as it is (never copied).
         ``seed``: request seeds derive from (seed, generate call, trajectory, turn).
@@ -112,7 +81,9 @@ class GymGenerator:
         otherwise ``sampling_params``, with routes iff
         ``inference_engine.enable_return_routed_experts`` (R3; off, nothing about
         routes is sent or kept). ``progress``: a tqdm bar over finished trajectories.
-        ``stop_token_ids``: None means the renderer's end-of-turn token."""
+        ``stop_token_ids``: None means the renderer's end-of-turn token.
+        ``vocab_size``: the model's; with top-p alone every position's kept set is
+        asked for this wide (None: ``max_sample_support_k`` wide)."""
         self.clients = list(clients) if isinstance(clients, Sequence) else [clients]
         if not self.clients:
             # A caller's mistake, not a config key: no key holds the clients.
@@ -125,6 +96,18 @@ class GymGenerator:
         self.config = config
         self.return_routed_experts = (
             not evaluation and config.inference_engine.enable_return_routed_experts
+        )
+        # Training scores every token under the distribution it was sampled from: the
+        # engine reports that distribution's logprobs and, with a top-k / top-p cut,
+        # each position's kept set, which the trainer replays (docs/design.md §7).
+        self.logprobs_mode = "raw_logprobs" if evaluation else "processed_logprobs"
+        self.support_k = (
+            0
+            if evaluation
+            else support_request_width(
+                self.sampling,
+                cap=min(config.max_sample_support_k, vocab_size or config.max_sample_support_k),
+            )
         )
         self.seed = seed
         self.progress = progress
@@ -158,7 +141,7 @@ class GymGenerator:
         bar = _progress(n, enabled=self.progress)
         started = time.perf_counter()
 
-        async def one(i: int) -> _Trajectory:
+        async def one(i: int) -> Trajectory:
             async with gate:
                 try:
                     return await self._rollout(i, batch.prompts[i], envs[i])
@@ -181,10 +164,12 @@ class GymGenerator:
 
     async def _rollout(
         self, index: int, prompt: list[dict[str, str]], env: skyrl_gym.Env
-    ) -> _Trajectory:
+    ) -> Trajectory:
         cfg = self.config
         messages, _info = env.init(prompt)
-        traj = _Trajectory(index=index, prompt_ids=self.renderer.initial(messages))
+        traj = Trajectory(index=index, prompt_ids=self.renderer.initial(messages))
+        if self.support_k:
+            traj.support = []
         if self.return_routed_experts:
             traj.trace = RoutedExpertTrace(f"#{index}")
         client = self.clients[index % len(self.clients)]
@@ -204,7 +189,12 @@ class GymGenerator:
                     generated_token_count=len(generated),
                     routed_experts=result.routed_experts,
                 )
-            traj.append(generated, mask=1, logprobs=result.logprobs)
+            traj.append(
+                generated,
+                mask=1,
+                logprobs=result.logprobs,
+                support=self._kept_sets(result, traj, turn) if self.support_k else None,
+            )
             traj.turns += 1
             traj.length_finishes += result.finish_reason == "length"
             traj.versions.append(_turn_versions(result))
@@ -237,7 +227,7 @@ class GymGenerator:
     async def _request(
         self,
         client: GenerateClient,
-        traj: _Trajectory,
+        traj: Trajectory,
         turn: int,
         sent: list[int],
         *,
@@ -251,6 +241,7 @@ class GymGenerator:
             "top_k": sp.top_k,
             "seed": _request_seed(*self._call_key, traj.index, turn),
             "stop_token_ids": self._stop_ids,
+            "logprobs_mode": self.logprobs_mode,
         }
         trace = traj.trace
         try:
@@ -264,18 +255,41 @@ class GymGenerator:
                 # lean body's splice in 0.37x (scripts/bench_wire.py, docs/performance.md).
                 # vLLM cannot send them (its client refuses the option).
                 return_packed_body=trace is not None and client.supports_packed_body,
+                return_sample_support=self.support_k,
             )
         except Exception as exc:
             exc.add_note(f"while generating trajectory #{traj.index} turn {turn}")
             raise
         if not result.response_ids:
             raise RouteTraceError(
-                f"trajectory #{traj.index} turn {turn}: response_ids: expected at least one "
-                f"generated token, got none"
+                f"trajectory #{traj.index} turn {turn}: response_ids",
+                expected="at least one generated token",
+                got="none",
             )
         return result
 
-    def _output(self, trajs: list[_Trajectory], *, wall_s: float) -> GeneratorOutput:
+    def _kept_sets(self, result: Any, traj: Trajectory, turn: int) -> np.ndarray:
+        """``[G, k]`` kept-set rows of one reply, refused when the reply's side channel
+        could not hold a position's whole set."""
+        where = f"trajectory #{traj.index} turn {turn}"
+        ids, sizes = result.sample_support_ids, result.sample_support_size
+        generated = len(result.response_ids)
+        if ids is None or sizes is None or ids.shape[0] != generated:
+            raise GenerateProtocolError(
+                f"$.choices[0].rollout_sample_support ({where})",
+                f"[{generated}, {self.support_k}] kept-set rows and their sizes",
+                None if ids is None else ids.shape,
+            )
+        widest = int(np.max(sizes)) if len(sizes) else 0
+        if widest > ids.shape[1]:
+            raise ConfigValidationError(
+                "generator.max_sample_support_k",
+                expected=f"at least the sampler's widest kept set ({widest} tokens at {where})",
+                got=str(ids.shape[1]),
+            )
+        return ids.astype(np.int32, copy=False)
+
+    def _output(self, trajs: list[Trajectory], *, wall_s: float) -> GeneratorOutput:
         token_rewards = []
         for t in trajs:
             row = [0.0] * len(t.response_ids)
@@ -296,6 +310,7 @@ class GymGenerator:
             rollout_metrics=_metrics(trajs, wall_s=wall_s),
             rollout_logprobs=[t.logprobs for t in trajs] if with_logprobs else None,  # type: ignore[misc]
             routed_experts=routes,  # type: ignore[arg-type]
+            rollout_sample_support=[t.support_rows() for t in trajs] if self.support_k else None,
             solved=reported_solved([t.solved for t in trajs]),
             policy_versions=None if None in spans else spans,  # type: ignore[arg-type]
         )
@@ -334,12 +349,13 @@ def _check_extends(index: int, turn: int, before: list[int], after: list[int]) -
     )
     got = after[at] if at < len(after) else "the end of the prompt"
     raise RouteTraceError(
-        f"trajectory #{index} turn {turn}: prompt_token_ids[{at}]: expected {before[at]} "
-        f"(the prompt must extend the previous turn's {len(before)} tokens), got {got}"
+        f"trajectory #{index} turn {turn}: prompt_token_ids[{at}]",
+        expected=f"{before[at]} (the prompt must extend the previous turn's {len(before)} tokens)",
+        got=str(got),
     )
 
 
-def _metrics(trajs: list[_Trajectory], *, wall_s: float) -> dict[str, float]:
+def _metrics(trajs: list[Trajectory], *, wall_s: float) -> dict[str, float]:
     n = max(1, len(trajs))
     traces = [t.trace for t in trajs if t.trace is not None]
     metrics = {

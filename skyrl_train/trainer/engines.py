@@ -28,6 +28,9 @@ class Engines:
     started for them (none with ``remote_urls``)."""
 
     config: InferenceEngineConfig
+    sample_support_k: int = 0
+    """The widest kept set a rollout asks for (``generator.max_sample_support_k``): the
+    builtin server's own limit on ``return_sample_support`` is raised to it."""
     urls: list[str] = field(default_factory=list)
     api_key: str | None = field(default=None, repr=False)
     handles: list[Any] = field(default_factory=list)
@@ -70,7 +73,12 @@ class Engines:
         )
         return create_server_actor(
             spec,
-            ServerConfig(host=eng.host, port=eng.port, api_key=api_key),
+            ServerConfig(
+                host=eng.host,
+                port=eng.port,
+                api_key=api_key,
+                max_sample_support_k=max(ServerConfig.max_sample_support_k, self.sample_support_k),
+            ),
             num_cpus=eng.num_cpus_per_engine,
         )
 

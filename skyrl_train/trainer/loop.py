@@ -9,6 +9,11 @@ checkpointed from, it first drops the ``metrics.jsonl`` lines (and TensorBoard
 events) of the steps it is about to take again, so each step appears once; a fresh
 run (start step 0) replaces the folder's metrics. Checkpoints are written crash-safely
 and verified on resume (``runs/checkpoint.py``); ``trainer.max_ckpts_to_keep`` bounds them.
+
+Kept whole: a step reads top to bottom here (generate, dynamic sampling, collate, train,
+push weights, check the served weights, evaluate, checkpoint, log), as in torchtune's
+recipes; the parts with their own rules (advantages, collation, checkpoint folders,
+weight sync) already live in their own modules.
 """
 
 from __future__ import annotations
@@ -104,16 +109,19 @@ class GRPOLoop:
         api_key: str | None = None,
         datasets: PromptDatasets | None = None,
         client_options: ClientOptions | None = None,
+        vocab_size: int | None = None,
     ) -> None:
         """``datasets``: prompts loaded (and checked) by the launch before Ray started;
         None loads them here (``load_datasets``). ``client_options``: how generation
         clients are made (``engine_clients.make_client``); None: the config's backend
-        with ``api_key``, which a vLLM server needs more than (``ClientOptions.for_run``)."""
+        with ``api_key``, which a vLLM server needs more than (``ClientOptions.for_run``).
+        ``vocab_size``: the model's, the widest kept set top-p alone can have."""
         self.cfg = cfg
         self.tokenizer = tokenizer
         self.server_urls = server_urls
         self.policy = policy
         self.pad_token_id = pad_token_id
+        self.vocab_size = vocab_size
         self.api_key = api_key
         self.client_options = client_options or ClientOptions(
             backend=cfg.generator.inference_engine.backend, api_key=api_key
@@ -338,6 +346,7 @@ class GRPOLoop:
                 self.tokenizer,
                 self.cfg.generator,
                 evaluation=evaluation,
+                vocab_size=self.vocab_size,
                 # A second, transient bar over trajectories inside each step's rollout.
                 progress=self.cfg.logging.progress_bar,
             )

@@ -8,6 +8,10 @@ over mini-batches, then weights go back to the inference servers.
 
 With several ranks each one runs this on its own shard of the batch
 (``policy_group.PolicyGroup`` fans the calls out and combines the metrics).
+
+Kept whole: which forward each metric and each log-prob comes from (replayed or native,
+before or during the update) is what a reviewer checks, and it reads in one order here;
+the loss, advantages, replay and rank files live in their own modules.
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ import torch
 
 from inference.models.checkpoint import inspect_checkpoint
 from skyrl_train.algorithms import (
+    OffPolicyCorrection,
+    OffPolicyStats,
     gspo_policy_loss,
     kl_penalty,
     logprob_mismatch,
@@ -31,7 +37,7 @@ from skyrl_train.algorithms import (
     ppo_policy_loss,
     token_mean_entropy,
 )
-from skyrl_train.config.schema import PPOConfig
+from skyrl_train.config.schema import PPOConfig, trainer_temperature
 from skyrl_train.dataset.batch import TrainingBatch, slice_batch
 from skyrl_train.runs.rank_state import (
     RngState,
@@ -128,6 +134,7 @@ class PolicyTrainer:
             optimizer=cfg.trainer.policy.optimizer_config,
             seed=cfg.trainer.seed,
             pad_token_id=self.pad_token_id,
+            temperature=trainer_temperature(cfg),
         ).setup()
         self.worker.load_weights(checkpoint_weights(self.checkpoint))
         if cfg.trainer.ref.log_kl or cfg.trainer.algorithm.use_kl_loss:
@@ -266,12 +273,15 @@ class PolicyTrainer:
         # token mean, so one rank and two ranks report the same fraction (a mean of
         # microbatch fractions over-weights short microbatches).
         clip_counts: list[tuple[float, float]] = []
-        tis_means: list[float] = []
+        # The off-policy correction's counts, summed over microbatches for token-weighted
+        # metrics as above. First epoch only: its weights depend on the old and rollout
+        # logprobs alone, so later epochs would repeat the same counts.
+        off_policy: list[OffPolicyStats] = []
         # R2: (agreeing token-layers, token-layers) of every update forward with the
         # recorded routes, the proof that each mini-batch and epoch replayed them.
         r2_counts: list[tuple[float, float]] = []
         lr = t.policy.optimizer_config.lr
-        for _ in range(t.update_epochs_per_batch):
+        for epoch in range(t.update_epochs_per_batch):
             for k, start in enumerate(range(0, batch.batch_size, mini)):
                 part = slice_batch(batch, start, min(start + mini, batch.batch_size))
                 num_micro = -(-part.batch_size // micro)
@@ -286,7 +296,7 @@ class PolicyTrainer:
                 # mini-batch is split across microbatches and ranks.
                 tokens = max(global_tokens, 1.0) / (num_micro * dp)
 
-                loss_fn = self._loss_fn(tokens, clip_counts, tis_means)
+                loss_fn = self._loss_fn(tokens, clip_counts, off_policy if epoch == 0 else None)
                 result = self.worker.train_step(
                     part,
                     loss_fn=loss_fn,
@@ -320,8 +330,15 @@ class PolicyTrainer:
             "train/optimizer_steps": float(len(grad_norms)),
             "train/lr": lr,
         }
-        if tis_means:
-            metrics["train/tis_weight_mean"] = float(np.mean(tis_means))
+        if off_policy:
+            stats = off_policy[0]
+            for more in off_policy[1:]:
+                stats = stats.merge(more)
+            metrics.update(stats.to_metrics("off_policy"))
+            if OffPolicyCorrection.from_algorithm_config(t.algorithm).tis_ratio_type:
+                # Kept for the readers of the old name: the token-weighted mean TIS
+                # weight of the tokens left in the loss (off_policy/weight_mean).
+                metrics["train/tis_weight_mean"] = metrics["off_policy/weight_mean"]
         if r2_counts:
             layers = sum(n for _, n in r2_counts)
             metrics["r2/router_agreement_update"] = sum(a for a, _ in r2_counts) / max(layers, 1.0)
@@ -329,20 +346,28 @@ class PolicyTrainer:
         return metrics
 
     def _loss_fn(
-        self, tokens: float, clip_counts: list[tuple[float, float]], tis_means: list[float]
+        self,
+        tokens: float,
+        clip_counts: list[tuple[float, float]],
+        off_policy: list[OffPolicyStats] | None,
     ) -> Any:
+        """``off_policy``: where each microbatch's correction counts go (None: dropped)."""
         algo = self.cfg.trainer.algorithm
+        # use_tis maps onto token TIS here (OffPolicyCorrection.from_algorithm_config).
+        correction = OffPolicyCorrection.from_algorithm_config(algo)
 
         def loss_fn(
             logprobs: torch.Tensor, mb: TrainingBatch, entropy: torch.Tensor | None = None
         ) -> torch.Tensor:
             assert mb.old_logprobs is not None and mb.advantages is not None
-            use_tis = algo.use_tis and mb.rollout_logprobs is not None
+            # Without the engine's logprobs there is nothing to correct against; the
+            # batch trains uncorrected, as use_tis always did.
+            correct = correction.enabled and mb.rollout_logprobs is not None
             common: dict[str, Any] = dict(
                 eps_clip_low=algo.eps_clip_low,
                 eps_clip_high=algo.eps_clip_high,
-                rollout_logprobs=mb.rollout_logprobs if use_tis else None,
-                tis_imp_ratio_cap=algo.tis_imp_ratio_cap if use_tis else None,
+                rollout_logprobs=mb.rollout_logprobs if correct else None,
+                off_policy_correction=correction if correct else None,
                 denominator=tokens,
             )
             if algo.policy_loss_type == "gspo":
@@ -362,8 +387,8 @@ class PolicyTrainer:
                 )
             count = out.metrics["num_tokens"]
             clip_counts.append((out.metrics["clip_fraction"] * count, count))
-            if "tis_weight_mean" in out.metrics:
-                tis_means.append(out.metrics["tis_weight_mean"])
+            if out.off_policy is not None and off_policy is not None:
+                off_policy.append(out.off_policy)
             loss = out.loss
             # Both terms divide by the same global token count as the policy loss, so
             # the coefficients weigh token means whatever the microbatch split.
@@ -392,6 +417,8 @@ class PolicyTrainer:
             batch,
             micro_batch_size=self.cfg.trainer.micro_forward_batch_size_per_gpu,
             replay_routes=False,
+            # The probe is greedy and the engine reports it under the raw logits.
+            temperature=1.0,
         ).logprobs
         return logprobs if self.info.is_last_stage else None
 

@@ -128,27 +128,54 @@ def filler_rows(like: ContiguousBatch, rows: int, *, pad_token_id: int) -> Conti
 
 
 def response_logprobs(
-    logits: torch.Tensor, layout: ContiguousBatch, response_mask: torch.Tensor
+    logits: torch.Tensor,
+    layout: ContiguousBatch,
+    response_mask: torch.Tensor,
+    *,
+    sampler: SamplerReplay | None = None,
 ) -> torch.Tensor:
-    """[B, R] fp32 logprob of each response token (0 where ``response_mask`` is 0)."""
-    log_probs, targets = _response_log_softmax(logits, layout, response_mask)
+    """[B, R] fp32 logprob of each response token (0 where ``response_mask`` is 0),
+    under ``sampler``'s distribution (None: the raw logits')."""
+    log_probs, targets = _response_log_softmax(logits, layout, response_mask, sampler)
     logprobs = log_probs.gather(2, targets[:, :, None]).squeeze(2)
     return logprobs * response_mask.to(logprobs.device, logprobs.dtype)
 
 
 def response_logprobs_and_entropy(
-    logits: torch.Tensor, layout: ContiguousBatch, response_mask: torch.Tensor
+    logits: torch.Tensor,
+    layout: ContiguousBatch,
+    response_mask: torch.Tensor,
+    *,
+    sampler: SamplerReplay | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``response_logprobs`` and, from the same log-softmax, the [B, R] fp32 entropy of
-    the full next-token distribution at each response position (0 where masked)."""
-    log_probs, targets = _response_log_softmax(logits, layout, response_mask)
+    the next-token distribution at each response position (0 where masked): the full
+    vocabulary's, or the sampler's kept set's under ``sampler``."""
+    log_probs, targets = _response_log_softmax(logits, layout, response_mask, sampler)
     mask = response_mask.to(log_probs.device, log_probs.dtype)
     logprobs = log_probs.gather(2, targets[:, :, None]).squeeze(2) * mask
     return logprobs, token_entropy(log_probs) * mask
 
 
+@dataclass(frozen=True)
+class SamplerReplay:
+    """The rollout sampler's distribution, replayed on the trainer's logits: softmax of
+    ``logits / temperature`` over each position's kept set (``support``), renormalised.
+    This is the engine's behaviour policy (``inference/engine/sampling.py``), with the
+    kept set taken from the rollout rather than recomputed, as routes are."""
+
+    temperature: float = 1.0
+    support: torch.Tensor | None = None
+    """[B, R, k] token ids the rollout's sampler kept at each response position, -1 past
+    the set; a row with no id (prompt padding, observation tokens) keeps every token.
+    None: no top-k or top-p cut, the whole vocabulary."""
+
+
 def _response_log_softmax(
-    logits: torch.Tensor, layout: ContiguousBatch, response_mask: torch.Tensor
+    logits: torch.Tensor,
+    layout: ContiguousBatch,
+    response_mask: torch.Tensor,
+    sampler: SamplerReplay | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """[B, R, V] fp32 log-softmax of the logits that predict each response token, and
     the [B, R] target ids."""
@@ -162,4 +189,21 @@ def _response_log_softmax(
         1, source_pos[:, :, None].expand(-1, -1, logits.shape[-1]).to(logits.device)
     ).float()
     targets = layout.tokens.gather(1, target_pos).to(logits.device)
+    if sampler is not None:
+        if sampler.temperature != 1.0:
+            picked = picked / sampler.temperature
+        if sampler.support is not None:
+            kept = _kept(sampler.support.to(picked.device), picked.shape[-1])
+            picked = picked.masked_fill(~kept, float("-inf"))
     return torch.log_softmax(picked, dim=-1), targets
+
+
+def _kept(support: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[B, R, V] bool: the listed ids of each row, or every id where none is listed."""
+    ids = support.to(torch.int64)
+    listed = ids >= 0
+    # -1 entries land in an extra column that is dropped, so they cannot clear a real id.
+    index = torch.where(listed, ids, vocab)
+    kept = torch.zeros(*ids.shape[:2], vocab + 1, dtype=torch.bool, device=ids.device)
+    kept.scatter_(2, index, True)
+    return kept[..., :vocab] | ~listed.any(dim=-1, keepdim=True)

@@ -13,6 +13,10 @@ With pipeline parallelism every microbatch of a schedule is padded to one shape 
 exchange fixed-shape activations), the losses and log-probs exist on the last stage
 and are broadcast to the others, and routes captured on each stage are gathered so
 every rank sees all MoE layers.
+
+Kept whole: one rank's model and the state it owns (chunks, routers, optimizer, pipeline
+group) with the calls the trainer makes on it; the schedule, gradient reduction, replay
+driver, weight conversion and batch layout are their own modules.
 """
 
 from __future__ import annotations
@@ -34,7 +38,11 @@ from skyrl_train.errors import ConfigValidationError, RouteReplayError
 from skyrl_train.workers.megatron import convert, replay
 from skyrl_train.workers.megatron.cpu_compat import apply_cpu_compat
 from skyrl_train.workers.megatron.gradients import average_data_parallel_grads, clip_grad_norm
-from skyrl_train.workers.megatron.layout import response_logprobs, response_logprobs_and_entropy
+from skyrl_train.workers.megatron.layout import (
+    SamplerReplay,
+    response_logprobs,
+    response_logprobs_and_entropy,
+)
 from skyrl_train.workers.megatron.model import (
     MEGATRON_CONFIG_KEY,
     build_model_chunks,
@@ -105,6 +113,7 @@ class MegatronPolicyWorker:
         optimizer: OptimizerConfig | None = None,
         seed: int = 0,
         pad_token_id: int = 0,
+        temperature: float = 1.0,
     ) -> None:
         # A node built in Python skipped Hydra and validate_cfg: refuse a bad one here.
         check_constraints(megatron_config, prefix=MEGATRON_CONFIG_KEY)
@@ -115,6 +124,9 @@ class MegatronPolicyWorker:
         schema wants > 0) disables clipping."""
         self.seed = seed
         self.pad_token_id = pad_token_id
+        self.temperature = temperature
+        """The rollout sampler's temperature: every forward scores tokens under
+        softmax(logits / temperature), over the batch's ``sample_support`` when it has one."""
         self.model: Any = None
         """This rank's model: its one chunk, or a ModuleList of its virtual stages'."""
         self.chunks: list[Any] = []
@@ -139,8 +151,8 @@ class MegatronPolicyWorker:
             # moe_layer_freq that builds others would replay them into the wrong layers.
             raise ConfigValidationError(
                 f"{MEGATRON_CONFIG_KEY}.transformer_config_kwargs.moe_layer_freq",
-                f"expected MoE layers {list(self.architecture.moe_layers)} (the "
-                f"checkpoint's), got {list(self.routers.moe_layers)}",
+                expected=f"MoE layers {list(self.architecture.moe_layers)} (the checkpoint's)",
+                got=str(list(self.routers.moe_layers)),
             )
         opt = self.optimizer_config
         beta1, beta2 = opt.adam_betas
@@ -211,19 +223,23 @@ class MegatronPolicyWorker:
         capture_routes: bool = False,
         trajectory_ids: Sequence[str] | None = None,
         entropy: bool = False,
+        temperature: float | None = None,
     ) -> ForwardResult:
         """Response logprobs ``[B, R]`` without gradient, microbatch by microbatch.
 
         ``replay_routes=None`` replays when the config enables it and the batch has routes.
-        ``entropy=True`` also returns each response position's full-vocabulary entropy.
+        ``entropy=True`` also returns each response position's entropy.
+        ``temperature``: None scores under the rollout sampler's (``self.temperature``);
+        1.0 with a batch without ``sample_support`` gives the raw logits' logprobs.
         """
+        temperature = self.temperature if temperature is None else temperature
         do_replay = self._check_replay(batch, replay_routes, trajectory_ids)
         batches = self._prepare(batch, micro_batch_size)
         logprobs: list[torch.Tensor | None] = [None] * batches.count
         entropies: list[torch.Tensor | None] = [None] * batches.count
 
         def keep(m: int, logits: torch.Tensor) -> torch.Tensor:
-            lp, ent = _response(logits, batches, m, entropy=entropy)
+            lp, ent = _response(logits, batches, m, entropy=entropy, temperature=temperature)
             logprobs[m] = lp.cpu()
             entropies[m] = ent.cpu() if ent is not None else None
             return torch.zeros(())
@@ -250,7 +266,9 @@ class MegatronPolicyWorker:
         batch's rollout routes over real rows the rollout captured, with the
         token-layer count that weights it across data-parallel ranks."""
         if batch.routed_experts is None:
-            raise RouteReplayError("routed_experts: expected routes to compare against, got None")
+            raise RouteReplayError(
+                "routed_experts", expected="routes to compare against", got="None"
+            )
         replay.check_route_shape(batch.routed_experts, self._require_routers())
         skip = ~batch.attention_mask.to(torch.bool)
         if batch.router_padding_mask is not None:
@@ -282,7 +300,7 @@ class MegatronPolicyWorker:
         losses = torch.zeros(batches.count, dtype=torch.float64)
 
         def loss(m: int, logits: torch.Tensor) -> torch.Tensor:
-            lp, ent = _response(logits, batches, m, entropy=entropy)
+            lp, ent = _response(logits, batches, m, entropy=entropy, temperature=self.temperature)
             extra = (ent,) if ent is not None else ()
             value = loss_fn(lp, batch_to(batches.micro[m], lp.device), *extra)  # type: ignore[arg-type]
             losses[m] = float(value.detach())
@@ -383,11 +401,12 @@ class MegatronPolicyWorker:
         if not replay_routes:
             return False
         if batch.routed_experts is None:
-            raise RouteReplayError("routed_experts: expected routes to replay, got None")
+            raise RouteReplayError("routed_experts", expected="routes to replay", got="None")
         if not routers.replay_enabled:
             raise RouteReplayError(
-                f"{MEGATRON_CONFIG_KEY}.moe_enable_routing_replay: expected True to replay "
-                f"routes, got False"
+                f"{MEGATRON_CONFIG_KEY}.moe_enable_routing_replay",
+                expected="True to replay routes",
+                got="False",
             )
         replay.validate_routes(
             batch.routed_experts,
@@ -398,10 +417,13 @@ class MegatronPolicyWorker:
 
 
 def _response(
-    logits: torch.Tensor, batches: Microbatches, m: int, *, entropy: bool
+    logits: torch.Tensor, batches: Microbatches, m: int, *, entropy: bool, temperature: float
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Microbatch ``m``'s response logprobs ``[b, R]`` and, with ``entropy``, entropy."""
-    layout, mask = batches.layouts[m], batches.micro[m].response_mask
+    """Microbatch ``m``'s response logprobs ``[b, R]`` and, with ``entropy``, entropy,
+    under the rollout sampler's distribution."""
+    mb = batches.micro[m]
+    layout, mask = batches.layouts[m], mb.response_mask
+    sampler = SamplerReplay(temperature=temperature, support=mb.sample_support)
     if entropy:
-        return response_logprobs_and_entropy(logits, layout, mask)
-    return response_logprobs(logits, layout, mask), None
+        return response_logprobs_and_entropy(logits, layout, mask, sampler=sampler)
+    return response_logprobs(logits, layout, mask, sampler=sampler), None

@@ -152,7 +152,8 @@ def test_cap_is_inclusive_to_the_byte(chunked: bool) -> None:
 @pytest.mark.parametrize("packed_body", [False, True], ids=["json-tokens", "packed-body"])
 def test_derived_cap_holds_the_largest_honest_reply(packed_body: bool) -> None:
     # Worst case for each part: 4096 int32-max ids, longest float reprs, int16 routes
-    # (300 experts) over a 1000-token prompt, k = 64 support, every side channel on.
+    # (300 experts) over a 1000-token prompt, k = 64 support and its set sizes, every
+    # side channel on.
     prompt_len, max_tokens, k = 1000, 4096, 64
     shape = RouteShape(num_layers=48, top_k=8, num_experts=300)
     rng = np.random.default_rng(0)
@@ -172,6 +173,7 @@ def test_derived_cap_holds_the_largest_honest_reply(packed_body: bool) -> None:
     choice["routed_experts"] = routes
     choice["rollout_sample_support"] = np.full((max_tokens, k), 2**31 - 1, dtype=np.int32)
     choice["rollout_sample_support_logprobs"] = np.full((max_tokens, k), -1e-30, np.float32)
+    choice["rollout_sample_support_size"] = np.full(max_tokens, 2**31 - 1, dtype=np.int32)
     body = dumps_generate_response(
         [choice], extra={"model": "m" * 200, "num_clamped_logprobs": max_tokens}
     )

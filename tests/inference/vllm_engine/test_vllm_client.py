@@ -183,6 +183,20 @@ def test_sampled_params_map_one_to_one() -> None:
     assert result.response_ids == [15, 16, 17]  # the fake adds the seed when sampling
 
 
+def test_the_servers_own_logprobs_mode_is_accepted_and_not_forwarded() -> None:
+    """vLLM sets the mode per server (--logprobs-mode), so the request carries none."""
+
+    async def main() -> FakeVLLM:
+        async with serving() as (fake, vllm):
+            await vllm.generate(
+                prompt_token_ids=[1],
+                sampling_params={"max_tokens": 2, "logprobs_mode": "processed_logprobs"},
+            )
+            return fake
+
+    assert "logprobs_mode" not in run(main()).hits[0].body["sampling_params"]
+
+
 def test_generate_batch_keeps_order() -> None:
     from inference.client import GenerateRequest
 
@@ -229,6 +243,12 @@ def test_max_tokens_is_always_sent() -> None:
             {"sampling_params": {"min_p": 0.1}},
             RequestValidationError,
             "$.sampling_params.min_p: expected one of",
+        ),
+        (
+            {"sampling_params": {"logprobs_mode": "raw_logprobs"}},
+            RequestValidationError,
+            "$.sampling_params.logprobs_mode: expected 'processed_logprobs' (the mode the "
+            "vLLM server was started with), got 'raw_logprobs'",
         ),
         (
             {"sampling_params": {"logprobs": 5}},

@@ -28,6 +28,7 @@ def test_registry_entries() -> None:
         "routed_experts",
         "rollout_sample_support",
         "rollout_sample_support_logprobs",
+        "rollout_sample_support_size",
         "packed_token_ids",
         "packed_logprobs",
     }
@@ -42,6 +43,10 @@ def test_registry_entries() -> None:
     assert (field.allowed_dtypes, field.ndim) == (("uint8", "int16", "int32"), 3)
     with pytest.raises(WireError, match=r"\$\.r: expected non-negative expert ids"):
         field.validator(np.full((1, 1, 2), -1, np.int16), "$.r")
+    sizes = PackedField.ROLLOUT_SAMPLE_SUPPORT_SIZE
+    assert (sizes.allowed_dtypes, sizes.ndim) == (("int32",), 1)
+    with pytest.raises(WireError, match=r"\$\.s: expected kept-set sizes >= 1, got 0"):
+        sizes.validator(np.array([3, 0], np.int32), "$.s")
 
 
 @pytest.mark.parametrize(

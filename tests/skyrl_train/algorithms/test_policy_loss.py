@@ -83,12 +83,14 @@ def test_tis_weights_tokens_by_capped_detached_ratio() -> None:
     assert rollout.grad is None  # the weight is detached
 
 
-def test_tis_with_missing_rollout_logprob_is_capped_not_nan() -> None:
+def test_tis_with_missing_rollout_logprob_weighs_one_not_the_cap_or_nan() -> None:
+    # The engine's -9999 placeholder is an unknown ratio, taken as 1 (off_policy.py);
+    # read as a value its log-ratio (~+9999) would put the weight at the cap, 2.
     out = ppo_policy_loss(
         torch.zeros(1, 1), torch.zeros(1, 1), torch.ones(1, 1), torch.ones(1, 1), **CLIP,
         rollout_logprobs=torch.full((1, 1), -9999.0), tis_imp_ratio_cap=2.0,
     )  # fmt: skip
-    assert out.loss.item() == pytest.approx(-2.0)
+    assert out.loss.item() == pytest.approx(-1.0)
 
 
 def test_all_masked_gives_zero_loss_and_zero_gradient() -> None:

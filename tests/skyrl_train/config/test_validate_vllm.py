@@ -240,3 +240,18 @@ def test_builtin_engine_keys_are_refused_with_vllm(
     assert err.path == f"{ENGINE}.{key}" and hint in str(err) and "backend=vllm" in str(err)
     # The same value is the builtin engine's to read.
     validate_cfg(load_config([f"trainer.run_dir={tmp_path / 'run'}", f"{ENGINE}.{key}={value}"]))
+
+
+@pytest.mark.parametrize(
+    ("cut", "key"),
+    [("top_k=5", "top_k"), ("top_p=0.9", "top_p")],
+)
+def test_a_top_k_or_top_p_cut_is_refused_until_vllm_reports_kept_sets(
+    tmp_path: Path, cpu_build: str, cut: str, key: str
+) -> None:
+    overrides = vllm(
+        cpu_build, *SERVABLE, *R2, f"generator.sampling_params.{cut}", tmp_path=tmp_path
+    )
+    err = refusal(overrides)
+    assert err.path == f"generator.sampling_params.{key}"
+    assert "backend=vllm" in str(err) and "kept set" in str(err)

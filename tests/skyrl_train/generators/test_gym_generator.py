@@ -465,6 +465,35 @@ def test_evaluation_samples_with_the_eval_params_and_requests_no_routes(tokenize
             and c["return_routed_experts"] is routed
             for c in calls
         )
+        # Training asks for the sampler's own logprobs and its kept sets (top_k wide).
+        mode, support = ("raw_logprobs", 0) if evaluation else ("processed_logprobs", 5)
+        assert all(
+            c["sampling_params"]["logprobs_mode"] == mode and c["return_sample_support"] == support
+            for c in calls
+        )
+
+
+def test_kept_sets_line_up_with_every_response_token_and_collate(tokenizer):
+    from skyrl_train.dataset.preprocess import convert_to_training_batch
+
+    cfg = config(temperature=1.5, top_k=5, max_turns=3)
+
+    async def main() -> GeneratorOutput:
+        async with serving() as client:
+            return await generator(client, tokenizer, cfg).generate(batch("guess_number", 4))
+
+    out = run(main())
+    assert out.rollout_sample_support is not None
+    for ids, mask, rows in zip(
+        out.response_ids, out.loss_masks, out.rollout_sample_support, strict=True
+    ):
+        assert rows.shape == (len(ids), 5)
+        for token, generated, row in zip(ids, mask, rows, strict=True):
+            kept = row[row >= 0].tolist()
+            assert (token in kept) if generated else kept == []
+    assert any(0 in m for m in out.loss_masks)  # observations were appended
+    collated = convert_to_training_batch(out, pad_token_id=0)
+    assert collated.sample_support is not None and collated.sample_support.shape[2] == 5
 
 
 def test_solved_comes_from_step_metadata(tokenizer):

@@ -176,4 +176,4 @@ def test_fully_async_needs_the_off_policy_correction() -> None:
     cfg = load_config(["trainer.fully_async.enabled=true"])
     with pytest.raises(ConfigValidationError) as info:
         validate_cfg(cfg)
-    assert info.value.path == "trainer.algorithm.use_tis"
+    assert info.value.path == "trainer.algorithm.off_policy_correction.tis_ratio_type"
