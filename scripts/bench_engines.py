@@ -92,6 +92,7 @@ from inference.vllm.process import VLLMServerProcess, VLLMServerSpec  # noqa: E4
 from inference.vllm.spec import default_vllm_python  # noqa: E402
 from skyrl_train.trainer.engine_clients import ClientOptions, make_client  # noqa: E402
 from skyrl_train.trainer.weight_sync import WeightSyncer  # noqa: E402
+from skyrl_train.utils.cpu_topology import cpu_model  # noqa: E402
 
 ENGINES = ("builtin", "vllm")
 MODES = ("greedy", "sampled")
@@ -110,17 +111,6 @@ class Timing:
     @classmethod
     def of(cls, samples: list[float]) -> Timing:
         return cls(statistics.median(samples), min(samples), max(samples), samples)
-
-
-def cpu_model() -> str:
-    """/proc/cpuinfo's "model name" (this project's machines differ: Xeon vs EPYC)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def group_cpu_s(pgid: int) -> float:
