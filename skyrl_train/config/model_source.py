@@ -8,6 +8,7 @@ and then loaded exactly like any other checkpoint.
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 from inference.errors import CheckpointFormatError
@@ -18,7 +19,24 @@ from inference.models.tokenizer import VOCAB_SIZE as BYTE_VOCAB_SIZE
 from skyrl_train.config.schema import ModelConfig
 from skyrl_train.errors import ConfigValidationError
 
-__all__ = ["model_architecture", "model_checkpoint", "model_checkpoint_info"]
+__all__ = ["inspect_folder", "model_architecture", "model_checkpoint", "model_checkpoint_info"]
+
+
+def inspect_folder(folder: str | Path) -> CheckpointInfo:
+    """``inspect_checkpoint``, once per process for a folder whose files are unchanged:
+    a launch reads the checkpoint to validate it and again to start from it, and with a
+    Hugging Face tokenizer each read costs a tokenizer load. A file rewritten in
+    between (size or mtime) is read again."""
+    path = Path(folder).resolve()
+    if not path.is_dir():
+        return inspect_checkpoint(path)  # raises, naming what is missing
+    stamp = tuple(sorted((f.name, f.stat().st_mtime_ns, f.stat().st_size) for f in path.iterdir()))
+    return _inspected(str(path), stamp)
+
+
+@functools.lru_cache(maxsize=8)
+def _inspected(folder: str, stamp: tuple[tuple[str, int, int], ...]) -> CheckpointInfo:
+    return inspect_checkpoint(folder)
 
 
 def _refuse_builtin_keys_with_path(model: ModelConfig) -> None:
@@ -53,7 +71,7 @@ def model_checkpoint_info(model: ModelConfig) -> CheckpointInfo | None:
         return None
     _refuse_builtin_keys_with_path(model)
     try:
-        return inspect_checkpoint(model.path)
+        return inspect_folder(model.path)
     except CheckpointFormatError as exc:
         raise ConfigValidationError("model.path", f"{model.path}: {exc}") from exc
 

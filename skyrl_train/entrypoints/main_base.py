@@ -67,8 +67,7 @@ class Job:
 @contextlib.contextmanager
 def launch(cfg: PPOConfig) -> Iterator[Job]:
     """Start (or join) Ray and place every actor; on exit stop and remove them all."""
-    from inference.models.checkpoint import inspect_checkpoint
-    from skyrl_train.config.model_source import model_checkpoint
+    from skyrl_train.config.model_source import inspect_folder, model_checkpoint
     from skyrl_train.dataset.prompts import load_datasets
     from skyrl_train.runs.folder import claim_run_dir, resolve_resume
     from skyrl_train.trainer.engine_clients import ClientOptions
@@ -92,7 +91,7 @@ def launch(cfg: PPOConfig) -> Iterator[Job]:
         # model.path, or the built-in model written once as a folder: from here on every
         # run loads a checkpoint folder the same way (engines, trainers, tokenizer).
         checkpoint = model_checkpoint(cfg.model)
-        info = inspect_checkpoint(checkpoint)
+        info = inspect_folder(checkpoint)
         tokenizer = info.tokenizer
         # One bearer token per run, handed to servers and clients as Ray call arguments:
         # never printed, and on no command line of the builtin server (ps shows those).
