@@ -2,7 +2,8 @@
 
     python scripts/compare_r3.py [--seeds 3] [--steps N] [--arms r3,no_r3,gspo]
                                  [--png compare_r3.png] [--json] [--histories FILE]
-                                 [--resume | --replot] [hydra overrides ...]
+                                 [--resume | --replot] [--bar 0.5 --max-drop 0.1]
+                                 [hydra overrides ...]
 
 Each arm runs the embedded default (plus the overrides) once per seed
 (``trainer.seed`` = 0, 1, ...: prompts and sampling change, the model does not); every
@@ -17,6 +18,9 @@ Printed per arm, mean ± standard deviation over seeds (and the min..max spread)
 final train reward (mean of the last five steps), the final greedy eval reward and
 success rate, and the rollout-vs-trainer mismatch averaged over steps. The PNG plots
 each arm's train reward and eval success per step (mean over seeds, min..max shaded).
+Then each seed's final and best greedy eval reward, checked against ``--bar`` (the
+final value) and ``--max-drop`` (final below the seed's own best); the exit status is
+1 when a seed fails, so ``--seeds 5 --arms r3`` is the default recipe's robustness check.
 ``--histories`` keeps every run's metrics as it finishes; ``--resume`` reruns only
 the runs it lacks (a crash, or code edited under a running comparison, costs one run).
 """
@@ -24,6 +28,7 @@ the runs it lacks (a crash, or code edited under a running comparison, costs one
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -59,6 +64,7 @@ ARMS: dict[str, tuple[str, list[str]]] = {
 ROWS = (
     ("reward/mean", "train reward, last 5 steps", "last5"),
     ("eval/reward_mean", "eval reward (greedy), final", "last"),
+    ("eval/reward_mean", "eval reward (greedy), best", "max"),
     ("eval/success_rate", "eval success (greedy), final", "last"),
     ("reward/success_rate", "train success, last 5 steps", "last5"),
     ("r3/router_agreement_trained", "router agreement (training forward)", "mean"),
@@ -88,6 +94,38 @@ def reduce_history(history: list[dict[str, float]]) -> dict[str, float]:
     return out
 
 
+@dataclasses.dataclass(frozen=True)
+class SeedResult:
+    """One run's greedy eval: where it ended against its own best."""
+
+    seed: int
+    final: float
+    best: float
+    best_step: int
+
+    @property
+    def drop(self) -> float:
+        return self.best - self.final
+
+    def passes(self, *, bar: float, max_drop: float) -> bool:
+        return self.final >= bar and self.drop <= max_drop
+
+
+def seed_results(histories: list[list[dict[str, float]]]) -> list[SeedResult]:
+    """Per seed (the histories' order: ``trainer.seed`` 0, 1, ...), the final and best
+    ``eval/reward_mean``; a run that never evaluated is an error, not a pass."""
+    out = []
+    for seed, history in enumerate(histories):
+        evals = [
+            (i + 1, h["eval/reward_mean"]) for i, h in enumerate(history) if "eval/reward_mean" in h
+        ]
+        if not evals:
+            raise ValueError(f"seed {seed}: expected eval/reward_mean in its history, got none")
+        best_step, best = max(evals, key=lambda e: e[1])
+        out.append(SeedResult(seed, evals[-1][1], best, best_step))
+    return out
+
+
 def spread(values: list[float]) -> dict[str, float]:
     arr = np.asarray(values, dtype=np.float64)
     return {
@@ -113,8 +151,8 @@ def plot(results: dict[str, list[list[dict[str, float]]]], png: Path, title: str
     import matplotlib.pyplot as plt
 
     panels = (("reward/mean", "train reward"), ("eval/success_rate", "eval success (greedy)"))
-    fig, axes = plt.subplots(1, len(panels), figsize=(11, 4))
-    for ax, (key, label) in zip(axes, panels, strict=True):
+    fig, axes = plt.subplots(1, len(panels) + 1, figsize=(16, 4))
+    for ax, (key, label) in zip(axes[: len(panels)], panels, strict=True):
         for arm, histories in results.items():
             steps, values = curve(histories, key)
             if steps.size == 0:
@@ -126,6 +164,21 @@ def plot(results: dict[str, list[list[dict[str, float]]]], png: Path, title: str
         ax.set_xlabel("step")
         ax.set_title(label)
         ax.grid(alpha=0.3)
+    # Every seed's own eval curve: a mean hides the one seed that collapses late.
+    ax = axes[-1]
+    for arm, histories in results.items():
+        color = None
+        for seed, history in enumerate(histories):
+            steps, values = curve([history], "eval/reward_mean")
+            if steps.size == 0:
+                continue
+            label = ARMS[arm][0] if seed == 0 else None
+            line = ax.plot(steps, values[0], color=color, alpha=0.7, lw=1, label=label)[0]
+            color = line.get_color()
+    ax.axhline(0.5, color="grey", lw=0.8, ls="--")
+    ax.set_xlabel("step")
+    ax.set_title("eval reward (greedy), each seed")
+    ax.grid(alpha=0.3)
     axes[0].legend()
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
@@ -185,6 +238,18 @@ def main() -> None:
     )
     parser.add_argument("--replot", action="store_true", help="summarise --histories, no runs")
     parser.add_argument(
+        "--bar",
+        type=float,
+        default=0.5,
+        help="per-seed check: final greedy eval reward at least this (exit 1 otherwise)",
+    )
+    parser.add_argument(
+        "--max-drop",
+        type=float,
+        default=0.1,
+        help="per-seed check: final eval at most this far below the seed's own best",
+    )
+    parser.add_argument(
         "--resume",
         action="store_true",
         help="keep the runs already in --histories (same overrides) and run the rest",
@@ -225,7 +290,11 @@ def main() -> None:
     )
     plot(histories, args.png, title)
     if args.json:
-        print(json.dumps({"overrides": overrides, **summary}, indent=2))
+        per_seed = {
+            arm: [dataclasses.asdict(r) for r in seed_results(runs)]
+            for arm, runs in histories.items()
+        }
+        print(json.dumps({"overrides": overrides, **summary, "per_seed": per_seed}, indent=2))
         return
     print(f"python {platform.python_version()}, {cpu_model()}, {os.cpu_count()} cpus")
     print(title)
@@ -241,7 +310,27 @@ def main() -> None:
                 else f"{s['mean']:.4g} ± {s['std']:.2g} [{s['min']:.3g}..{s['max']:.3g}]"
             )
         print(f"{label:44s}" + "".join(f"{c:>36s}" for c in cells))
+    failed = print_seed_table(histories, bar=args.bar, max_drop=args.max_drop)
     print(f"curves: {args.png}")
+    if failed:
+        sys.exit(1)
+
+
+def print_seed_table(
+    histories: dict[str, list[list[dict[str, float]]]], *, bar: float, max_drop: float
+) -> int:
+    """Each arm's seeds, final and best eval, against the bar; returns the failures."""
+    failed = 0
+    print(f"\nper seed (greedy eval reward; pass: final >= {bar} and best - final <= {max_drop})")
+    for arm, runs in histories.items():
+        for r in seed_results(runs):
+            ok = r.passes(bar=bar, max_drop=max_drop)
+            failed += not ok
+            print(
+                f"  {ARMS[arm][0]:14s} seed {r.seed}: final {r.final:.3f}, best {r.best:.3f} "
+                f"(step {r.best_step}), drop {r.drop:.3f}  {'pass' if ok else 'FAIL'}"
+            )
+    return failed
 
 
 if __name__ == "__main__":

@@ -12,6 +12,12 @@ collapses onto one guess sequence. Two remedies, named as in SkyRL:
 Both keep the batch at ``train_batch_size`` whole groups, so mini-batch sizes and data
 parallel shards never change shape; plans are lists of group indices, applied to the
 generator's output by ``GeneratorOutput.take``.
+
+Flat groups left in the batch still carry the entropy bonus. ``loss_rows`` says which
+rows the loss trains on: all of them, the varying groups' (``zero_variance_filter``),
+or none when every group is flat but some prompts pay more than others
+(``skip_flat_steps``): a bonus-only update is what pulled the default run back
+towards uniform once it answered every prompt the same way each time.
 """
 
 from __future__ import annotations
@@ -21,7 +27,12 @@ from collections.abc import Sequence
 
 import torch
 
-from skyrl_train.algorithms.advantages import contiguous_groups, flat_groups, group_index
+from skyrl_train.algorithms.advantages import (
+    GROUPED_ESTIMATORS,
+    contiguous_groups,
+    flat_groups,
+    group_index,
+)
 
 
 def varying_groups(rewards: Sequence[float], group_size: int) -> list[bool]:
@@ -34,6 +45,35 @@ def varying_groups(rewards: Sequence[float], group_size: int) -> list[bool]:
     values = torch.as_tensor(list(rewards), dtype=torch.float64)
     group, num_groups = group_index(contiguous_groups(len(rewards), group_size))
     return [not bool(f) for f in flat_groups(values, group, num_groups)]
+
+
+def loss_rows(
+    rewards: Sequence[float],
+    group_size: int,
+    *,
+    estimator: str,
+    zero_variance_filter: bool,
+    skip_flat_steps: bool,
+) -> torch.Tensor | None:
+    """``[B]`` bool, the rows of a batch of ``group_size``-sample groups whose tokens
+    enter the loss (``TrainingBatch.loss_rows``); None: every row. Only a group
+    baseline (GRPO, RLOO) gives a flat group zero advantage, so other estimators and
+    one-sample groups (trivially flat) always train every row.
+
+    ``skip_flat_steps`` leaves every row out when all groups are flat but their
+    rewards differ between prompts: the policy answers each prompt the same way every
+    time and has learned something (some prompts pay), which a bonus-only update would
+    erode with no reward to say so. A batch that scored the same everywhere (typically
+    nothing found yet) still trains: there the bonus is the exploration the run needs.
+    """
+    if group_size < 2 or estimator not in GROUPED_ESTIMATORS:
+        return None
+    varying = varying_groups(rewards, group_size)
+    if zero_variance_filter:
+        return torch.tensor([v for v in varying for _ in range(group_size)])
+    if skip_flat_steps and not any(varying) and len(set(rewards)) > 1:
+        return torch.zeros(len(rewards), dtype=torch.bool)
+    return None
 
 
 def plan_filter(rounds: Sequence[Sequence[bool]], num_groups: int) -> list[tuple[int, int]]:

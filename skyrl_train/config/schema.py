@@ -360,6 +360,19 @@ class AlgorithmConfig:
     """Subtracts ``entropy_loss_coef`` x the token-mean entropy of the policy from the
     loss: a bonus that slows the collapse onto one answer."""
     entropy_loss_coef: float = setting(0.05, ge=0.0)
+    skip_flat_steps: bool = True
+    """A step whose groups are all flat (every sample of each prompt scored the same)
+    while some prompts pay more than others makes no optimizer step: its policy
+    gradient is zero, so the entropy bonus and the KL term would be all that is left,
+    and the bonus alone pulls a policy that has learned something back towards uniform
+    (the late collapse in docs/experiments.md). A step with any varying group, or one
+    where every sample scored the same (nothing found yet: the bonus explores), trains
+    as before; metrics are logged either way. GRPO and RLOO only."""
+    zero_variance_filter: bool = False
+    """Leave flat groups (every sample scored the same) out of the loss: their tokens
+    add nothing to the policy gradient, so without the filter they carry only the
+    entropy bonus; a mini-batch whose groups are all flat makes no optimizer step.
+    Metrics still cover every group. GRPO and RLOO only (SkyRL's key)."""
     dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
     off_policy_correction: OffPolicyCorrectionConfig = field(
         default_factory=OffPolicyCorrectionConfig

@@ -48,6 +48,9 @@ class TrainingBatch:
     trainer scores each token over this set (sampler replay). None without a cut."""
     advantages: torch.Tensor | None = None
     """[B, R] float32 per-token advantages; set by the trainer before the policy update."""
+    loss_rows: torch.Tensor | None = None
+    """[B] bool, the rows whose tokens enter the loss (``zero_variance_filter`` leaves
+    flat groups out); None: every row. Metrics still describe every row."""
     old_logprobs: torch.Tensor | None = None
     """[B, R] float32 logprobs of the policy that is being updated, taken before the
     first optimizer step of this batch; set by the trainer."""
@@ -62,6 +65,13 @@ class TrainingBatch:
     @property
     def num_actions(self) -> int:
         return int(self.response_mask.shape[1])
+
+
+def training_loss_mask(batch: TrainingBatch) -> torch.Tensor:
+    """``[B, R]`` the tokens the loss trains on: ``loss_mask`` on ``loss_rows``."""
+    if batch.loss_rows is None:
+        return batch.loss_mask
+    return batch.loss_mask * batch.loss_rows.to(batch.loss_mask.dtype)[:, None]
 
 
 def map_tensors(batch: TrainingBatch, fn: Callable[[torch.Tensor], torch.Tensor]) -> TrainingBatch:

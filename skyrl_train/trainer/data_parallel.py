@@ -14,7 +14,12 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from skyrl_train.algorithms.metrics import StepMetrics, reduction_of
-from skyrl_train.dataset.batch import TrainingBatch, map_tensors, shard_for_data_parallel_rank
+from skyrl_train.dataset.batch import (
+    TrainingBatch,
+    map_tensors,
+    shard_for_data_parallel_rank,
+    training_loss_mask,
+)
 
 ROWS_KEY = "train/num_rows"
 """Rows a rank trained on; the default weight of its mean-reduced metrics (summed)."""
@@ -59,14 +64,15 @@ def shard_mini_batches(
 
 
 def mini_batch_token_counts(batch: TrainingBatch, *, mini_batch_size: int) -> list[float]:
-    """Loss-active tokens of each global mini-batch.
+    """Tokens the loss trains on in each global mini-batch (``training_loss_mask``).
 
     Every rank divides its loss by its mini-batch's *global* count, so the averaged
     gradient is a token mean over the whole mini-batch, not a mean of rank means
     (which over-weights the tokens of a rank with short responses).
     """
+    mask = training_loss_mask(batch)
     return [
-        float(batch.loss_mask[start : start + mini_batch_size].sum())
+        float(mask[start : start + mini_batch_size].sum())
         for start in range(0, batch.batch_size, mini_batch_size)
     ]
 

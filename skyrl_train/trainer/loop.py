@@ -41,6 +41,7 @@ from skyrl_train.algorithms import (
     zero_variance_group_fraction,
 )
 from skyrl_train.algorithms.dynamic_sampling import (
+    loss_rows,
     plan_filter,
     plan_replace,
     trajectory_indices,
@@ -289,6 +290,13 @@ class GRPOLoop:
             contiguous_groups(batch.batch_size, n),
             norm_by_std=algo.norm_adv_by_std_in_grpo,
             eps=algo.advantage_eps,
+        )
+        batch.loss_rows = loss_rows(
+            batch.rewards.tolist(),
+            n,
+            estimator=algo.advantage_estimator,
+            zero_variance_filter=algo.zero_variance_filter,
+            skip_flat_steps=algo.skip_flat_steps,
         )
         collated = time.perf_counter()
         # Raises NonFiniteError on a NaN/inf loss, grad norm or weight: nothing is pushed.

@@ -38,7 +38,7 @@ from skyrl_train.algorithms import (
     token_mean_entropy,
 )
 from skyrl_train.config.schema import PPOConfig, trainer_temperature
-from skyrl_train.dataset.batch import TrainingBatch, slice_batch
+from skyrl_train.dataset.batch import TrainingBatch, slice_batch, training_loss_mask
 from skyrl_train.runs.rank_state import (
     RngState,
     checkpoint_file,
@@ -281,20 +281,27 @@ class PolicyTrainer:
         # recorded routes, the proof that each mini-batch and epoch replayed them.
         r2_counts: list[tuple[float, float]] = []
         lr = t.policy.optimizer_config.lr
+        skipped = 0
         for epoch in range(t.update_epochs_per_batch):
             for k, start in enumerate(range(0, batch.batch_size, mini)):
                 part = slice_batch(batch, start, min(start + mini, batch.batch_size))
                 num_micro = -(-part.batch_size // micro)
                 global_tokens = (
-                    float(part.loss_mask.sum())
+                    float(training_loss_mask(part).sum())
                     if mini_batch_tokens is None
                     else mini_batch_tokens[k]
                 )
+                if global_tokens == 0:
+                    # Nothing to learn from (every group flat under zero_variance_filter):
+                    # no optimizer step, since Adam's momentum alone would go on moving
+                    # the weights. Every rank sees the same global count and skips.
+                    skipped += 1
+                    continue
                 # Each microbatch divides by the global mini-batch's token count over
                 # the microbatch count the worker averages by and the dp ranks whose
                 # gradients it averages, so the step is a true token mean however the
                 # mini-batch is split across microbatches and ranks.
-                tokens = max(global_tokens, 1.0) / (num_micro * dp)
+                tokens = global_tokens / (num_micro * dp)
 
                 loss_fn = self._loss_fn(tokens, clip_counts, off_policy if epoch == 0 else None)
                 result = self.worker.train_step(
@@ -322,12 +329,13 @@ class PolicyTrainer:
                 grad_norms.append(result.grad_norm)
                 lr = result.lr
         metrics = {
-            "train/policy_loss": float(np.mean(losses)),
-            "train/grad_norm": float(np.mean(grad_norms)),
+            "train/policy_loss": float(np.mean(losses)) if losses else 0.0,
+            "train/grad_norm": float(np.mean(grad_norms)) if grad_norms else 0.0,
             # Weighted across ranks by policy/num_tokens (data_parallel.combine_rank_metrics).
             "policy/clip_fraction": sum(c for c, _ in clip_counts)
             / max(sum(n for _, n in clip_counts), 1.0),
             "train/optimizer_steps": float(len(grad_norms)),
+            "train/skipped_optimizer_steps": float(skipped),
             "train/lr": lr,
         }
         if off_policy:
@@ -360,6 +368,7 @@ class PolicyTrainer:
             logprobs: torch.Tensor, mb: TrainingBatch, entropy: torch.Tensor | None = None
         ) -> torch.Tensor:
             assert mb.old_logprobs is not None and mb.advantages is not None
+            mask = training_loss_mask(mb)
             # Without the engine's logprobs there is nothing to correct against; the
             # batch trains uncorrected, as use_tis always did.
             correct = correction.enabled and mb.rollout_logprobs is not None
@@ -373,15 +382,13 @@ class PolicyTrainer:
             if algo.policy_loss_type == "gspo":
                 # GSPO's sequence ratio needs whole sequences: microbatches split rows,
                 # never a row, so each row's mean log-ratio is complete here.
-                out = gspo_policy_loss(
-                    logprobs, mb.old_logprobs, mb.advantages, mb.loss_mask, **common
-                )
+                out = gspo_policy_loss(logprobs, mb.old_logprobs, mb.advantages, mask, **common)
             else:
                 out = ppo_policy_loss(
                     logprobs,
                     mb.old_logprobs,
                     mb.advantages,
-                    mb.loss_mask,
+                    mask,
                     clip_ratio_c=algo.clip_ratio_c,
                     **common,
                 )
@@ -394,7 +401,7 @@ class PolicyTrainer:
             # the coefficients weigh token means whatever the microbatch split.
             if algo.use_kl_loss:
                 assert mb.ref_logprobs is not None
-                kl = kl_penalty(logprobs, mb.ref_logprobs, mb.loss_mask, denominator=tokens)
+                kl = kl_penalty(logprobs, mb.ref_logprobs, mask, denominator=tokens)
                 loss = loss + algo.kl_loss_coef * kl
             if algo.use_entropy_loss:
                 if entropy is None:
@@ -402,7 +409,7 @@ class PolicyTrainer:
                         "entropy: expected the worker's per-token entropy with "
                         "trainer.algorithm.use_entropy_loss, got None"
                     )
-                bonus = token_mean_entropy(entropy, mb.loss_mask, denominator=tokens)
+                bonus = token_mean_entropy(entropy, mask, denominator=tokens)
                 loss = loss - algo.entropy_loss_coef * bonus
             return loss
 

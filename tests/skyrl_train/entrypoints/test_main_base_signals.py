@@ -1,6 +1,6 @@
 """End to end, 8 steps of the embedded default with every remedy switched on (dynamic
-sampling, KL loss, entropy bonus): the learning signals are logged every step and
-finite. Whether the run learns is shown by scripts/compare_r3.py and the README
+sampling, KL loss, entropy bonus, the flat-step guard): the learning signals are
+logged every step and finite. Whether the run learns is shown by scripts/compare_r3.py and the README
 figure, not by a timed test."""
 
 from __future__ import annotations
@@ -27,6 +27,8 @@ EVERY_STEP = (
     "dynamic_sampling/varying_group_frac",
     "train/policy_loss",
     "train/grad_norm",
+    "train/optimizer_steps",
+    "train/skipped_optimizer_steps",
     "mismatch_trained/k3_kl",
 )
 
@@ -54,6 +56,9 @@ def test_eight_steps_log_finite_learning_signals(tmp_path: Path) -> None:
             assert row.get(key) is not None and math.isfinite(row[key]), (row["step"], key)
         assert 1.0 <= row["dynamic_sampling/rounds"] <= 2.0
         assert 0.0 <= row["advantage/zero_variance_group_frac"] <= 1.0
+        # Two mini-batches a step: each either steps the optimizer or, on a step whose
+        # groups are all flat (skip_flat_steps), is skipped.
+        assert row["train/optimizer_steps"] + row["train/skipped_optimizer_steps"] == 2.0
     # Before the first update the policy is its reference: the KL is exactly zero;
     # after eight updates it is not.
     assert rows[0]["policy/kl_to_ref"] == 0.0

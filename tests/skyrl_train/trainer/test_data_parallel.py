@@ -81,6 +81,18 @@ def test_token_counts_are_per_global_mini_batch() -> None:
     assert mini_batch_token_counts(full, mini_batch_size=2) == [3.0, 4.0, 5.0]
 
 
+def test_token_counts_and_shards_follow_the_loss_rows() -> None:
+    # Rows 0, 1 and 5 left out of the loss (zero_variance_filter / skip_flat_steps):
+    # each rank divides by the tokens that train, and a mini-batch of none skips.
+    full = _batch(6)
+    full.loss_rows = torch.tensor([False, False, True, True, True, False])
+    assert mini_batch_token_counts(full, mini_batch_size=2) == [0.0, 4.0, 2.0]
+    shards = shard_mini_batches(full, mini_batch_size=2, dp_size=2)
+    for shard in shards:
+        for row, keep in zip(shard.sequences[:, 0].tolist(), shard.loss_rows.tolist(), strict=True):
+            assert keep == bool(full.loss_rows[row])
+
+
 def test_combine_weights_means_by_rows_tokens_and_token_layers() -> None:
     rank0 = {
         "train/num_rows": 2.0,
