@@ -18,6 +18,7 @@ from inference.models.tiny_moe import TinyMoEConfig
 from inference.models.tokenizer import VOCAB_SIZE as BYTE_VOCAB_SIZE
 from skyrl_train.config.schema import ModelConfig
 from skyrl_train.errors import ConfigValidationError
+from skyrl_train.runs.export import TEMP_DIR
 
 __all__ = ["inspect_folder", "model_architecture", "model_checkpoint", "model_checkpoint_info"]
 
@@ -70,6 +71,14 @@ def model_checkpoint_info(model: ModelConfig) -> CheckpointInfo | None:
     if model.path is None:
         return None
     _refuse_builtin_keys_with_path(model)
+    if TEMP_DIR.fullmatch(Path(model.path).name):
+        # Checked by name: a temp folder may hold every file of an export and still be
+        # one a crash cut short, or an old one set aside (runs/export.py).
+        raise ConfigValidationError(
+            "model.path",
+            expected="a model folder (a finished export is global_step_N)",
+            got=f"{model.path!r}, the temp folder of an export or a save that never finished",
+        )
     try:
         return inspect_folder(model.path)
     except CheckpointFormatError as exc:

@@ -206,6 +206,11 @@ class GeneratorConfig:
     eval_sampling_params: SamplingParamsConfig = field(
         default_factory=lambda: SamplingParamsConfig(temperature=0.0)
     )
+    eval_n_samples_per_prompt: int = setting(1, ge=1)
+    """Samples per evaluation row (SkyRL's key), drawn with ``eval_sampling_params``:
+    the in-run evaluation's reward means cover them all, and the evaluation command
+    (``entrypoints.evaluate``) reports pass@k from them. Greedy sampling gives n equal
+    samples, so n > 1 wants a temperature above 0."""
     inference_engine: InferenceEngineConfig = field(default_factory=InferenceEngineConfig)
 
 
@@ -423,13 +428,20 @@ class TrainerConfig:
     eval_interval: int = setting(10, ge=0)
     """Steps between evaluations; 0 turns evaluation off."""
     eval_batch_size: int = setting(30, ge=1)
-    """Prompts per evaluation (one greedy sample each)."""
+    """Generated prompts per evaluation when ``data.val_data`` is empty (each sampled
+    ``generator.eval_n_samples_per_prompt`` times, greedy by default)."""
     ckpt_interval: int = setting(0, ge=0)
     """Steps between checkpoints; 0 turns checkpointing off."""
     max_ckpts_to_keep: int | None = setting(-1, ge=1, also=(-1,))
     """Complete checkpoints kept under ``<run_dir>/checkpoints``: after each save the
     oldest beyond this many are deleted (never the one just written). -1 or None keeps
     all (SkyRL's key and default)."""
+    hf_save_interval: int = setting(0, ge=-1)
+    """Steps between Hugging Face exports, ``<export_path>/global_step_N`` folders that
+    transformers, vLLM and ``model.path`` load (``skyrl_train.runs.export``): 0 at the
+    last step only, -1 never, N every N steps and at the last (SkyRL's key)."""
+    export_path: str | None = None
+    """Where the exports go; null: ``<run_dir>/exports``."""
     resume_from: str | None = None
     """A ``step_NNNNNN`` checkpoint folder, or ``latest``: the newest checkpoint under
     ``<run_dir>/checkpoints`` whose files verify (damaged ones are skipped, each named

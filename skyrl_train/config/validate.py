@@ -59,11 +59,15 @@ _MODEL_OWNED = {
 }
 
 
-def validate_cfg(cfg: PPOConfig | Mapping[str, Any]) -> None:
+def validate_cfg(cfg: PPOConfig | Mapping[str, Any], *, evaluation: bool = False) -> None:
     """Refuse an inconsistent or unsupported config; returns None when it is fine.
 
     Takes the typed ``PPOConfig`` or a composed Hydra config (``DictConfig``/mapping),
-    which is typed by the schema first.
+    which is typed by the schema first. ``evaluation``: for the evaluation command,
+    which trains nothing and writes only ``eval.json`` and its log into
+    ``trainer.run_dir``: the run folder rules (``runs.folder``) do not apply, so a
+    training run's folder is a fine place, and ``trainer.resume_from`` must be null
+    (the command scores ``model.path``, never a trainer checkpoint).
     """
     if not isinstance(cfg, PPOConfig):
         from skyrl_train.config.compose import parse_config
@@ -80,7 +84,7 @@ def validate_cfg(cfg: PPOConfig | Mapping[str, Any]) -> None:
     _check_vllm_model(cfg, arch, build)
     _check_environment(cfg)
     _check_data(cfg)
-    _check_trainer(cfg)
+    _check_trainer(cfg, evaluation=evaluation)
     _check_megatron(cfg, arch, cfg.trainer.policy.megatron_config, "trainer.policy.megatron_config")
     _check_batch_sizes(cfg)
     check_trackers(cfg.logging.trackers)
@@ -590,10 +594,17 @@ def check_sampling_params(sp: SamplingParamsConfig, prefix: str) -> None:
         raise ConfigValidationError(exc.path, expected=exc.expected, got=repr(exc.got)) from None
 
 
-def _check_trainer(cfg: PPOConfig) -> None:
+def _check_trainer(cfg: PPOConfig, *, evaluation: bool) -> None:
     tr = cfg.trainer
     if not tr.run_dir:
         raise ConfigValidationError("trainer.run_dir", expected="a folder path", got="''")
+    if evaluation and tr.resume_from is not None:
+        raise ConfigValidationError(
+            "trainer.resume_from",
+            expected="null for an evaluation, which scores model.path (a trainer "
+            "checkpoint is evaluated through its Hugging Face export)",
+            got=repr(tr.resume_from),
+        )
     if tr.resume_from not in (None, LATEST) and not Path(tr.resume_from).is_dir():
         raise ConfigValidationError(
             "trainer.resume_from",
@@ -603,7 +614,8 @@ def _check_trainer(cfg: PPOConfig) -> None:
     # A second run in one folder overwrites the first one's same-step checkpoints,
     # prunes its others and purges its TensorBoard events; resuming below later
     # checkpoints deletes them too. Both are refused here (runs.folder).
-    check_run_dir(tr)
+    if not evaluation:
+        check_run_dir(tr)
 
     alg, a = tr.algorithm, "trainer.algorithm"
     if alg.policy_loss_type == "gspo" and alg.clip_ratio_c is not None:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import functools
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,9 +33,13 @@ from skyrl_train.errors import DatasetError
 __all__ = [
     "DATA_SUFFIXES",
     "PromptDatasets",
+    "RowRef",
+    "build_environment",
+    "eval_tasks",
     "load_datasets",
     "load_tasks",
     "read_rows",
+    "read_tasks",
     "sample_step",
 ]
 
@@ -153,6 +157,57 @@ def _check_row(
     )
 
 
+@dataclass(frozen=True)
+class RowRef:
+    """Where a task came from: the config entry (``data.val_data[0]``), its file and
+    0-based row; a generated prompt has no file (``file`` None, ``row`` its index)."""
+
+    key: str
+    file: str | None
+    row: int
+
+    def __str__(self) -> str:
+        if self.file is None:
+            return f"generated prompt {self.row} ({self.key} is empty)"
+        return f"{self.key}: {self.file} row {self.row}"
+
+
+def read_tasks(
+    paths: Sequence[str], *, key: str, default_env_class: str
+) -> Iterator[tuple[RowRef, Task]]:
+    """Every row of ``paths`` as a ``Task`` with where it came from, in file order;
+    raises ``DatasetError`` naming ``key[i]``, the file, the row (0-based) and the field
+    of the first row that breaks the schema (when the iteration reaches it). No
+    environment is built."""
+    for i, path in enumerate(paths):
+        file_key = f"{key}[{i}]"
+        rows = read_rows(path, key=file_key)
+        if not rows:
+            raise DatasetError(file_key, path, row=None, field=None, expected="rows", got="none")
+        for number, row in enumerate(rows):
+            task = _check_row(
+                row, key=file_key, path=path, number=number, default_env=default_env_class
+            )
+            yield RowRef(file_key, path, number), task
+
+
+def build_environment(ref: RowRef, task: Task, env_kwargs: Mapping[str, Any]) -> None:
+    """Build (and close) ``task``'s environment once with ``env_kwargs``; raises
+    ``DatasetError`` naming the row when its environment refuses it."""
+    try:
+        env = skyrl_gym.make(task.env_name, **{**task.env_extras, **env_kwargs})
+        getattr(env, "close", lambda: None)()
+    except (skyrl_gym.EnvError, TypeError, ValueError) as exc:
+        raise DatasetError(
+            ref.key,
+            ref.file or "<generated>",
+            row=ref.row,
+            field="env_class",
+            expected=f"a row {task.env_name!r} accepts",
+            got=str(exc),
+        ) from exc
+
+
 def load_tasks(
     paths: Sequence[str],
     *,
@@ -166,29 +221,10 @@ def load_tasks(
     Each row's environment is built once (and closed) with ``env_kwargs``, so a
     ground truth or keyword it refuses is reported here, not mid-run.
     """
-    tasks: list[Task] = []
-    for i, path in enumerate(paths):
-        file_key = f"{key}[{i}]"
-        rows = read_rows(path, key=file_key)
-        if not rows:
-            raise DatasetError(file_key, path, row=None, field=None, expected="rows", got="none")
-        for number, row in enumerate(rows):
-            task = _check_row(
-                row, key=file_key, path=path, number=number, default_env=default_env_class
-            )
-            try:
-                env = skyrl_gym.make(task.env_name, **{**task.env_extras, **env_kwargs})
-                getattr(env, "close", lambda: None)()
-            except (skyrl_gym.EnvError, TypeError, ValueError) as exc:
-                raise DatasetError(
-                    file_key,
-                    path,
-                    row=number,
-                    field="env_class",
-                    expected=f"a row {task.env_name!r} accepts",
-                    got=str(exc),
-                ) from exc
-            tasks.append(task)
+    tasks = []
+    for ref, task in read_tasks(paths, key=key, default_env_class=default_env_class):
+        build_environment(ref, task, env_kwargs)
+        tasks.append(task)
     return tasks
 
 
@@ -255,3 +291,20 @@ def load_datasets(cfg: PPOConfig) -> PromptDatasets:
             seed=seed + EVAL_SEED_OFFSET,
         )
     return PromptDatasets(train=train, eval=held_out)
+
+
+def eval_tasks(cfg: PPOConfig) -> list[tuple[RowRef, Task]]:
+    """The evaluation rows with where each came from: every row of ``data.val_data``
+    (schema-checked; environments not built), or, when it is empty, the same
+    ``trainer.eval_batch_size`` generated prompts the in-run evaluation uses."""
+    env = cfg.environment
+    if cfg.data.val_data:
+        return list(
+            read_tasks(cfg.data.val_data, key="data.val_data", default_env_class=env.env_class)
+        )
+    generated = skyrl_gym.make_dataset(
+        env.env_class,
+        num_prompts=cfg.trainer.eval_batch_size,
+        seed=cfg.trainer.seed + EVAL_SEED_OFFSET,
+    )
+    return [(RowRef("data.val_data", None, i), task) for i, task in enumerate(generated)]

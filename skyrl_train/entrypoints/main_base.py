@@ -13,7 +13,7 @@ import contextlib
 import logging
 import secrets
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -29,7 +29,6 @@ from skyrl_train.utils.logs import console_logging, job_log
 
 if TYPE_CHECKING:
     from skyrl_train.trainer.engines import Engines
-    from skyrl_train.utils.ray_session import RaySession
 
 # Named, not __name__: run as ``python -m`` this module is ``__main__``, and the console
 # shows only skyrl_train.* INFO lines bare (utils.logs).
@@ -71,10 +70,8 @@ def launch(cfg: PPOConfig) -> Iterator[Job]:
     from skyrl_train.dataset.prompts import load_datasets
     from skyrl_train.runs.folder import claim_run_dir, resolve_resume
     from skyrl_train.trainer.engine_clients import ClientOptions
-    from skyrl_train.trainer.engines import Engines
     from skyrl_train.trainer.loop import GRPOLoop
     from skyrl_train.trainer.policy_group import PolicyGroup
-    from skyrl_train.utils.ray_session import require_cpus, start_ray
 
     validate_cfg(cfg)
     # Every dataset row is checked (and its environment built once) now: a bad row
@@ -92,62 +89,83 @@ def launch(cfg: PPOConfig) -> Iterator[Job]:
         # run loads a checkpoint folder the same way (engines, trainers, tokenizer).
         checkpoint = model_checkpoint(cfg.model)
         info = inspect_folder(checkpoint)
-        tokenizer = info.tokenizer
-        # One bearer token per run, handed to servers and clients as Ray call arguments:
-        # never printed, and on no command line of the builtin server (ps shows those).
-        # A vLLM server still gets it as --api-key (inference.vllm.spec.vllm_command),
-        # though vLLM also reads it from VLLM_API_KEY.
-        api_key = secrets.token_urlsafe(32)
-        ray_session = start_ray(
-            address=cfg.ray.address,
-            num_cpus=cfg.ray.num_cpus,
-            runtime_env=cfg.ray.runtime_env,
-        )
-        engine = cfg.generator.inference_engine
-        engines = Engines(engine, sample_support_k=cfg.generator.max_sample_support_k)
-        policy: Any = None
-        try:
-            placement = cfg.trainer.placement
-            require_cpus(
-                {
-                    "generator.inference_engine.num_cpus_per_engine": (
-                        0 if engine.remote_urls else engine.num_engines,
-                        engine.num_cpus_per_engine,
-                    ),
-                    "trainer.placement.cpus_per_trainer": (
-                        placement.num_trainers,
-                        placement.cpus_per_trainer,
-                    ),
-                },
-                local=cfg.ray.address is None,
-            )
-            # builtin or vLLM servers on the checkpoint folder, or remote_urls as given.
-            engines.start(checkpoint, api_key=api_key)
+        placement = cfg.trainer.placement
+        trainer_cpus = (placement.num_trainers, placement.cpus_per_trainer)
+        more_cpus = {"trainer.placement.cpus_per_trainer": trainer_cpus}
+        with serving(cfg, checkpoint, more_cpus=more_cpus) as engines:
             urls, server_key = engines.urls, engines.api_key
-            policy = PolicyGroup.place(
-                cfg, checkpoint=str(checkpoint), pad_token_id=info.pad_token_id
-            )
-            policy.setup()
-            loop = GRPOLoop(
-                cfg,
-                tokenizer=tokenizer,
-                server_urls=urls,
-                policy=policy,
-                pad_token_id=info.pad_token_id,
-                api_key=server_key,
-                datasets=datasets,
-                client_options=ClientOptions.for_run(cfg, info, api_key=server_key),
-                vocab_size=info.architecture.vocab_size,
-            )
+            policy: Any = None
             try:
+                policy = PolicyGroup.place(
+                    cfg, checkpoint=str(checkpoint), pad_token_id=info.pad_token_id
+                )
+                policy.setup()
+                loop = GRPOLoop(
+                    cfg,
+                    tokenizer=info.tokenizer,
+                    server_urls=urls,
+                    policy=policy,
+                    pad_token_id=info.pad_token_id,
+                    api_key=server_key,
+                    datasets=datasets,
+                    client_options=ClientOptions.for_run(cfg, info, api_key=server_key),
+                    vocab_size=info.architecture.vocab_size,
+                )
                 yield Job(cfg=cfg, server_urls=urls, policy=policy, loop=loop, api_key=server_key)
-            except Exception:
-                # A server killed mid-run surfaces as a connection error in some step:
-                # name the engine that died (and its last log lines) instead.
-                engines.check_alive()
-                raise
-        finally:
-            _teardown(engines, policy, ray_session)
+            finally:
+                if policy is not None:
+                    policy.kill()
+
+
+@contextlib.contextmanager
+def serving(
+    cfg: PPOConfig,
+    checkpoint: Path,
+    *,
+    more_cpus: Mapping[str, tuple[int, float]] | None = None,
+) -> Iterator[Engines]:
+    """Start or join Ray and the run's inference servers on ``checkpoint`` (or take
+    ``remote_urls``); on exit stop every server and the Ray this started, whatever
+    ended the run. ``more_cpus``: the other actors the caller will place, checked with
+    the servers' CPUs before anything starts (``require_cpus``)."""
+    from skyrl_train.trainer.engines import Engines
+    from skyrl_train.utils.ray_session import require_cpus, start_ray
+
+    # One bearer token per run, handed to servers and clients as Ray call arguments:
+    # never printed, and on no command line of the builtin server (ps shows those).
+    # A vLLM server still gets it as --api-key (inference.vllm.spec.vllm_command),
+    # though vLLM also reads it from VLLM_API_KEY.
+    api_key = secrets.token_urlsafe(32)
+    ray_session = start_ray(
+        address=cfg.ray.address,
+        num_cpus=cfg.ray.num_cpus,
+        runtime_env=cfg.ray.runtime_env,
+    )
+    engine = cfg.generator.inference_engine
+    engines = Engines(engine, sample_support_k=cfg.generator.max_sample_support_k)
+    try:
+        require_cpus(
+            {
+                "generator.inference_engine.num_cpus_per_engine": (
+                    0 if engine.remote_urls else engine.num_engines,
+                    engine.num_cpus_per_engine,
+                ),
+                **(more_cpus or {}),
+            },
+            local=cfg.ray.address is None,
+        )
+        # builtin or vLLM servers on the checkpoint folder, or remote_urls as given.
+        engines.start(checkpoint, api_key=api_key)
+        try:
+            yield engines
+        except Exception:
+            # A server killed mid-run surfaces as a connection error in some step:
+            # name the engine that died (and its last log lines) instead.
+            engines.check_alive()
+            raise
+    finally:
+        engines.stop()  # every server process, vLLM's whole process groups included
+        ray_session.shutdown()
 
 
 def run(cfg: PPOConfig) -> list[dict[str, float]]:
@@ -163,41 +181,40 @@ def run(cfg: PPOConfig) -> list[dict[str, float]]:
     return history
 
 
-def _teardown(engines: Engines, policy: Any, ray_session: RaySession) -> None:
-    engines.stop()  # every server process, vLLM's whole process groups included
-    if policy is not None:
-        policy.kill()
-    ray_session.shutdown()
-
-
-@hydra.main(config_path=str(CONFIG_DIR), config_name=CONFIG_NAME, version_base="1.3")
-def _hydra_main(cfg: DictConfig) -> None:
-    from hydra.core.hydra_config import HydraConfig
-    from hydra.types import RunMode
-
-    job_dir = None
-    if HydraConfig.get().mode == RunMode.MULTIRUN:
-        # Each sweep job trains in its own folder (hydra.sweep: <run_dir>/<job number>),
-        # so two jobs never append to one metrics.jsonl.
-        job_dir = Path(HydraConfig.get().runtime.output_dir)
-        cfg.trainer.run_dir = str(job_dir)
-    try:
-        with console_logging():
-            run(parse_config(cfg))
-    except ConfigValidationError:
-        if job_dir is not None and job_dir.is_dir() and not any(job_dir.iterdir()):
-            job_dir.rmdir()  # Hydra made it for this job; a refused job leaves nothing
-        raise
-
-
-def main() -> None:
-    """The command line: Hydra overrides, ``--cfg job``, ``-m`` sweeps."""
+def command(run_job: Callable[[PPOConfig], object]) -> None:
+    """A launch's command line: Hydra overrides, ``--cfg job``, ``-m`` sweeps, each
+    job's config parsed and handed to ``run_job`` with the console logging set up."""
     # Hydra's own message for a misspelt key names no alternative; this one does.
     try:
         check_override_keys(sys.argv[1:])
     except ConfigValidationError as exc:
         sys.exit(f"error: {exc}")
-    _hydra_main()
+
+    @hydra.main(config_path=str(CONFIG_DIR), config_name=CONFIG_NAME, version_base="1.3")
+    def hydra_job(cfg: DictConfig) -> None:
+        from hydra.core.hydra_config import HydraConfig
+        from hydra.types import RunMode
+
+        job_dir = None
+        if HydraConfig.get().mode == RunMode.MULTIRUN:
+            # Each sweep job runs in its own folder (hydra.sweep: <run_dir>/<job number>),
+            # so two jobs never append to one metrics.jsonl.
+            job_dir = Path(HydraConfig.get().runtime.output_dir)
+            cfg.trainer.run_dir = str(job_dir)
+        try:
+            with console_logging():
+                run_job(parse_config(cfg))
+        except ConfigValidationError:
+            if job_dir is not None and job_dir.is_dir() and not any(job_dir.iterdir()):
+                job_dir.rmdir()  # Hydra made it for this job; a refused job leaves nothing
+            raise
+
+    hydra_job()
+
+
+def main() -> None:
+    """The command line: Hydra overrides, ``--cfg job``, ``-m`` sweeps."""
+    command(run)
 
 
 if __name__ == "__main__":

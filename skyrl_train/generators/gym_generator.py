@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import numpy as np
@@ -116,17 +116,25 @@ class GymGenerator:
         stops = self.renderer.stop_token_ids if stop_token_ids is None else stop_token_ids
         self._stop_ids = list(stops)
         self._calls = 0
-        self._call_key = (seed, 0)
         """generate() calls so far: seeds differ per call, so GRPO steps that revisit a
         prompt sample afresh, yet a rerun of the same sequence of calls is identical."""
 
-    async def generate(self, batch: GeneratorInput, *, seed: int | None = None) -> GeneratorOutput:
+    async def generate(
+        self,
+        batch: GeneratorInput,
+        *,
+        seed: int | None = None,
+        make_env: Callable[..., skyrl_gym.Env] | None = None,
+    ) -> GeneratorOutput:
         """Roll out every prompt of ``batch``. ``seed``: request seeds derive from it as
         a new generator's first call with that seed would, so a caller keeping one
-        generator for a run (sampling checked once) still chooses each call's seeds."""
+        generator for a run (sampling checked once) still chooses each call's seeds.
+        ``make_env(name, **kwargs)`` builds each trajectory's environment (None:
+        ``skyrl_gym.make``). Calls may overlap: each keeps its seeds to itself (the
+        evaluation command runs one call per dataset row)."""
         n = len(batch.prompts)
         self._calls += 1
-        self._call_key = (self.seed, self._calls) if seed is None else (seed, 1)
+        call_key = (self.seed, self._calls) if seed is None else (seed, 1)
         if len(batch.env_names) != n or (batch.env_extras and len(batch.env_extras) != n):
             raise ValueError(
                 f"GeneratorInput: expected env_names and env_extras of length {n} (prompts), "
@@ -134,9 +142,8 @@ class GymGenerator:
             )
         extras = batch.env_extras or [{} for _ in range(n)]
         # Environments are built up front so a bad name or kwarg fails before any request.
-        envs = [
-            skyrl_gym.make(name, **kw) for name, kw in zip(batch.env_names, extras, strict=True)
-        ]
+        make = skyrl_gym.make if make_env is None else make_env
+        envs = [make(name, **kw) for name, kw in zip(batch.env_names, extras, strict=True)]
         gate = asyncio.Semaphore(self.config.max_concurrent_trajectories)
         bar = _progress(n, enabled=self.progress)
         started = time.perf_counter()
@@ -144,7 +151,7 @@ class GymGenerator:
         async def one(i: int) -> Trajectory:
             async with gate:
                 try:
-                    return await self._rollout(i, batch.prompts[i], envs[i])
+                    return await self._rollout(i, batch.prompts[i], envs[i], call_key)
                 finally:
                     # Environments from duck-typed factories need not have close().
                     getattr(envs[i], "close", lambda: None)()
@@ -163,11 +170,17 @@ class GymGenerator:
         return self._output(trajectories, wall_s=time.perf_counter() - started)
 
     async def _rollout(
-        self, index: int, prompt: list[dict[str, str]], env: skyrl_gym.Env
+        self,
+        index: int,
+        prompt: list[dict[str, str]],
+        env: skyrl_gym.Env,
+        call_key: tuple[int, int],
     ) -> Trajectory:
         cfg = self.config
         messages, _info = env.init(prompt)
-        traj = Trajectory(index=index, prompt_ids=self.renderer.initial(messages))
+        traj = Trajectory(
+            index=index, prompt_ids=self.renderer.initial(messages), call_key=call_key
+        )
         if self.support_k:
             traj.support = []
         if self.return_routed_experts:
@@ -239,7 +252,7 @@ class GymGenerator:
             "temperature": sp.temperature,
             "top_p": sp.top_p,
             "top_k": sp.top_k,
-            "seed": _request_seed(*self._call_key, traj.index, turn),
+            "seed": _request_seed(*traj.call_key, traj.index, turn),
             "stop_token_ids": self._stop_ids,
             "logprobs_mode": self.logprobs_mode,
         }

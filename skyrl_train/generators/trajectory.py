@@ -23,6 +23,8 @@ STOP_BUDGET = "budget"
 class Trajectory:
     index: int
     prompt_ids: list[int]
+    call_key: tuple[int, int] = (0, 0)
+    """(seed, generate call) its request seeds derive from, with its index and turn."""
     response_ids: list[int] = field(default_factory=list)
     loss_mask: list[int] = field(default_factory=list)
     logprobs: list[float] | None = field(default_factory=list)

@@ -6,6 +6,7 @@ Layout under ``<run_dir>/checkpoints`` (a checkpoint folder is flat)::
         policy_rank0.pt          one file per trainer rank (PolicyTrainer.save_checkpoint)
         policy_rank1.pt
         driver.json              {"step": 10, "world_size": 2}
+        run_config.json          model and trainer layout, to rebuild the ranks (export)
         manifest.json            written last; names, sizes and SHA-256 of the others
     step_000020.tmp-1a2b3c4d/    a save in progress, or one a crash cut short: never
                                  resumed from, removed by the next save
@@ -47,6 +48,9 @@ FORMAT = "skyrl-r3-checkpoint"
 FORMAT_VERSION = 1
 MANIFEST_FILE = "manifest.json"
 DRIVER_FILE = "driver.json"
+RUN_CONFIG_FILE = "run_config.json"
+"""Written by the policy group: the config sections that rebuild its ranks
+(``trainer.policy_group.run_config_record``), read by ``scripts/export_hf.py``."""
 RESUME_KEY = "trainer.resume_from"
 STEP_DIR = re.compile(r"step_(\d+)")
 TEMP_DIR = re.compile(r"step_\d+\.tmp-[0-9a-f]+")

@@ -38,6 +38,7 @@ from skyrl_train.runs.checkpoint import (
     verify_checkpoint,
     verify_resume,
 )
+from skyrl_train.runs.export import EXPORTS_DIR, export_root, list_exports, read_marker
 from skyrl_train.utils.durable import fsync_dir, write_file
 
 if TYPE_CHECKING:
@@ -59,6 +60,7 @@ RUN_ARTEFACTS: tuple[tuple[str, str], ...] = (
     ("main_base.log", "the job log"),
     ("tensorboard", "the tensorboard tracker's events"),
     ("wandb", "the wandb tracker's files"),
+    (f"{EXPORTS_DIR}/global_step_*", "a Hugging Face export or an unfinished one"),
 )
 """Glob patterns, under ``run_dir``, of everything a run writes there, and what each
 is. The mlflow tracker writes nothing there (its store is MLflow's own setting)."""
@@ -82,6 +84,7 @@ def check_run_dir(trainer: TrainerConfig) -> None:
     checkpoints it would delete without ``trainer.overwrite_later_checkpoints``.
     ``latest`` is checked when the launch resolves it (``resolve_resume``)."""
     run_dir, resume = Path(trainer.run_dir), trainer.resume_from
+    _check_export_path(trainer)
     if resume == LATEST:
         return
     found = run_artefacts(run_dir)
@@ -185,6 +188,24 @@ def started_from(run_dir: str | Path) -> Path | None:
         return None
     value = record.get("started_from")
     return Path(value) if isinstance(value, str) else None
+
+
+def _check_export_path(trainer: TrainerConfig) -> None:
+    """Refuse an explicit ``trainer.export_path`` holding another run's exports: this
+    run's export of the same step would replace it. (Under ``run_dir`` the rules above
+    already keep other runs out.)"""
+    if trainer.export_path is None:
+        return
+    own = str(Path(trainer.run_dir).resolve())
+    for _, folder in list_exports(export_root(trainer.export_path, trainer.run_dir)):
+        writer = (read_marker(folder) or {}).get("run_dir")
+        if writer is not None and writer != own:
+            raise ConfigValidationError(
+                "trainer.export_path",
+                expected=f"a folder without other runs' exports (those of {own!r}), since "
+                "this run's exports would replace theirs step for step",
+                got=f"{str(folder)!r}, exported by the run in {writer!r}",
+            )
 
 
 def _check_later_checkpoints(

@@ -60,6 +60,7 @@ from skyrl_train.runs.checkpoint import (
     prune_checkpoints,
     verify_checkpoint,
 )
+from skyrl_train.runs.export import export_due, export_name, export_root
 from skyrl_train.runs.folder import CHECKPOINTS_DIR
 from skyrl_train.trainer import served_weights
 from skyrl_train.trainer.engine_clients import ClientOptions, make_client
@@ -190,6 +191,8 @@ class GRPOLoop:
                 logger.info(format_metrics_line(step, metrics, LINE_KEYS))
                 if t.ckpt_interval and step % t.ckpt_interval == 0:
                     await self.save_checkpoint(step)
+                if export_due(step, interval=t.hf_save_interval, num_steps=t.num_steps):
+                    await self.save_hf_export(step)
         finally:
             if rollouts is not None:
                 await rollouts.close()
@@ -397,17 +400,19 @@ class GRPOLoop:
         return chosen
 
     async def evaluate(self, clients: list[Any]) -> dict[str, float]:
-        """Greedy rollouts of every held-out prompt: the mean reward (and per data
-        source) and, when the environments report ``solved``, the success rate."""
+        """``eval_n_samples_per_prompt`` rollouts (greedy by default) of every held-out
+        prompt: the mean reward (and per data source) and, when the environments report
+        ``solved``, the success rate."""
         tasks = self.datasets.eval
+        n = self.cfg.generator.eval_n_samples_per_prompt
         output = await self._generator(clients, evaluation=True).generate(
-            self._input(tasks, 1), seed=0
+            self._input(tasks, n), seed=0
         )
         metrics = {"eval/reward_mean": float(np.mean(output.rewards))}
         solved = success_rate(output.solved or [])
         if solved is not None:
             metrics["eval/success_rate"] = solved
-        sources = [task.data_source for task in tasks]
+        sources = [task.data_source for task in tasks for _ in range(n)]
         metrics.update(_reward_by_source("eval/reward_mean", sources, output.rewards))
         return metrics
 
@@ -439,6 +444,23 @@ class GRPOLoop:
             raise
         prune_checkpoints(root, keep=self.cfg.trainer.max_ckpts_to_keep, current_step=step)
         return final
+
+    async def save_hf_export(self, step: int) -> Path:
+        """Write ``<export_path>/global_step_N`` as a Hugging Face folder, whole or not at
+        all (``runs/export.py``); returns it."""
+        t = self.cfg.trainer
+        final = export_root(t.export_path, t.run_dir) / export_name(step)
+        started = time.perf_counter()
+        folder, written = await self.policy.export_hf(final, step=step, run_dir=t.run_dir)
+        logger.info(
+            "exported step %d to %s (%d tensors, %.1f MiB) in %.1f s",
+            step,
+            folder,
+            written.tensors,
+            written.total_bytes / 2**20,
+            time.perf_counter() - started,
+        )
+        return folder
 
     async def load_checkpoint(self, folder: str | Path) -> int:
         """Restores the policy from ``folder`` and returns the step it was taken at.

@@ -39,6 +39,7 @@ from skyrl_train.algorithms import (
 )
 from skyrl_train.config.schema import PPOConfig, trainer_temperature
 from skyrl_train.dataset.batch import TrainingBatch, slice_batch, training_loss_mask
+from skyrl_train.runs.export import WeightFiles, write_weights
 from skyrl_train.runs.rank_state import (
     RngState,
     checkpoint_file,
@@ -430,6 +431,25 @@ class PolicyTrainer:
         return logprobs if self.info.is_last_stage else None
 
     # ---- weights and checkpoints ----------------------------------------------------
+
+    def export_hf(
+        self, folder: str, source: str, *, write: bool, max_shard_bytes: int
+    ) -> WeightFiles | None:
+        """This rank's part of a Hugging Face export (``PolicyGroup.export_hf``): the
+        writer streams the whole model into ``folder`` (``runs/export.py``); a rank whose
+        experts or layers are sharded joins the stream's collectives in lockstep, as in
+        ``push_weights`` for a rank without URLs."""
+        if write:
+            return write_weights(
+                Path(folder),
+                self.worker.export_weights(),
+                source=Path(source),
+                max_shard_bytes=max_shard_bytes,
+            )
+        if self.info.ep_size > 1 or self.info.pp_size > 1:
+            for _ in self.worker.export_weights():
+                pass
+        return None
 
     def push_weights(
         self, urls: list[str], *, api_key: str | None = None, policy_version: int | None = None

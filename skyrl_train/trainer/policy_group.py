@@ -6,21 +6,34 @@ meet in collectives (gradient all-reduce, expert all-gather), and their metrics 
 back as one dict (``data_parallel.combine_rank_metrics``). Weight export gathers
 experts over the EP group, so every rank exports and only rank 0 pushes to the
 servers. Checkpoints hold one file per rank, written into the driver's temp folder
-(``runs/checkpoint.py`` makes the folder appear whole or not at all).
+(``runs/checkpoint.py`` makes the folder appear whole or not at all), and the settings
+that rebuild the ranks (``RUN_CONFIG_FILE``), so ``scripts/export_hf.py`` can. Hugging
+Face exports are written the same way: rank 0 writes the weights into the driver's temp
+folder, the others join the export's collectives (``runs/export.py``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from skyrl_train.config.compose import config_to_dict
 from skyrl_train.config.schema import PPOConfig
 from skyrl_train.dataset.batch import TrainingBatch
+from skyrl_train.runs.checkpoint import RUN_CONFIG_FILE
+from skyrl_train.runs.export import (
+    DEFAULT_MAX_SHARD_BYTES,
+    EXPORT_KEY,
+    WeightFiles,
+    begin_export,
+    commit_export,
+)
 from skyrl_train.trainer.data_parallel import (
     ROWS_KEY,
     combine_rank_metrics,
@@ -28,6 +41,7 @@ from skyrl_train.trainer.data_parallel import (
     shard_mini_batches,
 )
 from skyrl_train.trainer.policy import PolicyTrainer, RankInfo
+from skyrl_train.utils.durable import write_file
 
 
 class PolicyGroup:
@@ -35,9 +49,11 @@ class PolicyGroup:
     models (joining torch.distributed), ``kill`` removes them; a group that failed
     half-way through setup can still be killed."""
 
-    def __init__(self, cfg: PPOConfig, actors: list[Any]) -> None:
+    def __init__(self, cfg: PPOConfig, actors: list[Any], *, model_folder: str = "") -> None:
         self.cfg = cfg
         self.actors = actors
+        self.model_folder = model_folder
+        """The checkpoint folder the ranks loaded: exports copy its config and tokenizer."""
         self.ranks: list[RankInfo] = []
         self._rendezvous = ""
         self.received_rows: list[int] = []
@@ -55,7 +71,7 @@ class PolicyGroup:
             remote.remote(cfg, checkpoint=checkpoint, pad_token_id=pad_token_id)
             for _ in range(placement.num_trainers)
         ]
-        return cls(cfg, actors)
+        return cls(cfg, actors, model_folder=checkpoint)
 
     @property
     def world_size(self) -> int:
@@ -157,9 +173,63 @@ class PolicyGroup:
 
     async def save_checkpoint(self, folder: str) -> None:
         await _all(actor.save_checkpoint.remote(folder) for actor in self.actors)
+        write_file(Path(folder) / RUN_CONFIG_FILE, run_config_record(self.cfg))
+
+    async def export_hf(
+        self,
+        final: Path,
+        *,
+        step: int | None,
+        key: str = EXPORT_KEY,
+        run_dir: str | Path | None = None,
+        max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    ) -> tuple[Path, WeightFiles]:
+        """Write the policy's weights as a Hugging Face folder at ``final``, whole or not
+        at all (``runs/export.py``); returns it and what rank 0 wrote."""
+        temp = begin_export(final, key=key)
+        try:
+            written = await _all(
+                actor.export_hf.remote(
+                    str(temp),
+                    self.model_folder,
+                    write=rank == 0,
+                    max_shard_bytes=max_shard_bytes,
+                )
+                for rank, actor in enumerate(self.actors)
+            )
+            source = Path(self.model_folder)
+            done = commit_export(temp, final, source=source, step=step, run_dir=run_dir, key=key)
+        except BaseException:
+            # Best effort (a rank may still be writing): a temp folder left behind is
+            # never read as an export and the next export removes it.
+            shutil.rmtree(temp, ignore_errors=True)
+            raise
+        return done, written[0]
 
     async def load_checkpoint(self, folder: str) -> None:
         await _all(actor.load_checkpoint.remote(folder) for actor in self.actors)
+
+
+def run_config_record(cfg: PPOConfig) -> bytes:
+    """``RUN_CONFIG_FILE``'s bytes: the sections that build the policy ranks
+    (``model``, ``trainer.seed``, ``trainer.placement``,
+    ``trainer.policy.megatron_config``), its paths made absolute. Only these:
+    ``ray.runtime_env`` may hold secrets."""
+    full = config_to_dict(cfg)
+    model = full["model"]
+    for key in ("path", "cache_dir"):  # the export may run from another folder
+        if model.get(key):
+            model[key] = str(Path(model[key]).resolve())
+    trainer = full["trainer"]
+    record = {
+        "model": model,
+        "trainer": {
+            "seed": trainer["seed"],
+            "placement": trainer["placement"],
+            "policy": {"megatron_config": trainer["policy"]["megatron_config"]},
+        },
+    }
+    return json.dumps(record, indent=1).encode() + b"\n"
 
 
 async def _all(refs: Any) -> list[Any]:

@@ -21,8 +21,10 @@ import pytest
 import ray
 import yarl
 from _e2e import SMALL, listening_sockets, new_pids, probe, process_tree, ray_daemon_pids
+from _export_checks import check_export
 
 from skyrl_train.config.compose import load_config
+from skyrl_train.config.model_source import model_checkpoint
 from skyrl_train.config.schema import PPOConfig
 from skyrl_train.entrypoints.main_base import launch
 from skyrl_train.utils.tracking import read_metrics
@@ -226,3 +228,65 @@ def test_a_tempered_top_p_run_scores_tokens_as_they_were_sampled(
         f"mean |dlogp| default {default:.3g}, T=1.5 top-p 0.9 "
         f"{max(row[key] for row in sampled_history):.3g}"
     )
+
+
+# ------------------------------------------------------- the run's Hugging Face export
+
+
+def test_the_end_of_run_export_is_the_trainers_model(first_run: FirstRun, tmp_path: Path) -> None:
+    run_dir = Path(first_run.cfg.trainer.run_dir)
+    # trainer.hf_save_interval=0 (the default): the last step only.
+    assert [p.name for p in (run_dir / "exports").iterdir()] == ["global_step_2"]
+    delta = check_export(
+        run_dir / "exports" / "global_step_2",
+        model_checkpoint(first_run.cfg.model),
+        run_dir / "checkpoints" / "step_000002",
+        tmp_path,
+    )
+    print(f"built-in model: export vs trainer max |logits delta| {delta:.3g}")
+
+
+def test_an_export_is_served_by_the_server_cli_and_trained_as_model_path(
+    first_run: FirstRun, tmp_path: Path
+) -> None:
+    """The export is the policy the run ended with: ``python -m inference.server`` on
+    it, and a new run's servers started from it as ``model.path``, sample what the
+    run's own server sampled after the last push (same seed, fp32, batch-invariant)."""
+    export = Path(first_run.cfg.trainer.run_dir) / "exports" / "global_step_2"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "R3_TEST_KEY": "k"}
+    server = subprocess.Popen(
+        [
+            sys.executable, "-m", "inference.server", "--host", "127.0.0.1", "--port", "0",
+            "--api-key-env", "R3_TEST_KEY", "--dtype", "float32", "--checkpoint", str(export),
+        ],
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert server.stdout is not None
+        first = server.stdout.readline().strip()
+        assert first.startswith("serving "), server.stderr.read() if server.stderr else first
+        served = probe(first.removeprefix("serving "), "k")
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+    assert served == first_run.after
+
+    run_dir = tmp_path / "from_export"
+    overrides = [
+        *SMALL,
+        "trainer.num_steps=1",
+        "trainer.ckpt_interval=0",
+        "trainer.eval_interval=0",
+        "logging.plot=false",
+        f"model.path={export}",
+        f"trainer.run_dir={run_dir}",
+    ]
+    with launch(load_config(overrides)) as job:
+        # The launch pushed the trainer's weights, read from the export, over the
+        # server's own load of it (and the served-weights check compared them).
+        before = probe(job.server_urls[0], job.api_key)
+        (metrics,) = job.train()
+    assert before == first_run.after
+    assert math.isfinite(metrics["train/policy_loss"])
+    assert metrics["served_weights/median_abs_logp_diff"] <= 1e-5, metrics
+    assert (run_dir / "exports" / "global_step_1" / "model.safetensors").is_file()

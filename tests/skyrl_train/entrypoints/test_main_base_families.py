@@ -3,7 +3,9 @@ written by ``scripts/make_checkpoint.py``'s library function (BPE tokenizer, cha
 
 A run takes about 20 s on 2 cores here, so all four run in CI: Qwen3-MoE with a
 dense first layer, Qwen2-MoE (dense first layer, shared expert, q/k/v bias), OLMoE
-(full-width q/k norm, no top-k renormalisation) and Mixtral.
+(full-width q/k norm, no top-k renormalisation) and Mixtral. Each run's end-of-run
+Hugging Face export is checked against the trainer's checkpoint of the same step
+(``_export_checks.py``).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from pathlib import Path
 import pytest
 import ray
 from _e2e import SMALL
+from _export_checks import check_export
 
 from inference.models.tiny_checkpoint import write_tiny_checkpoint
 from skyrl_train.config.compose import load_config
@@ -47,6 +50,14 @@ def test_two_steps_on_a_checkpoint_of_each_family(tmp_path: Path, family: str) -
         # Replay took on every MoE layer of every token, dense first layer or not.
         assert metrics["r3/router_agreement_trained"] == 1.0
     assert not ray.is_initialized()
+    run_dir = tmp_path / "run"
+    delta = check_export(
+        run_dir / "exports" / "global_step_2",
+        folder,
+        run_dir / "checkpoints" / "step_000002",
+        tmp_path,
+    )
+    print(f"{family}: export vs trainer max |logits delta| {delta:.3g}")
 
 
 def test_an_unsupported_architecture_is_refused_before_ray_starts(tmp_path: Path) -> None:

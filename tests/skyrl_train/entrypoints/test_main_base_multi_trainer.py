@@ -8,10 +8,12 @@ from __future__ import annotations
 import ipaddress
 import math
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import torch
 from _e2e import (
     SMALL,
     listening_sockets,
@@ -27,6 +29,7 @@ from _e2e import (
 from skyrl_train.config.compose import load_config
 from skyrl_train.config.schema import PPOConfig
 from skyrl_train.entrypoints.main_base import launch
+from skyrl_train.runs.rank_state import checkpoint_file, read_plain
 from skyrl_train.trainer.policy import RankInfo
 from skyrl_train.utils.tracking import read_metrics
 
@@ -214,3 +217,38 @@ def test_a_failing_rank_setup_takes_every_actor_down(tmp_path: Path) -> None:
     assert not ray.is_initialized()
     assert new_pids(ray_daemon_pids, daemons_before) == set()
     assert new_pids(lambda: ray_actor_pids("PolicyTrainer"), actors_before) == set()
+
+
+def test_the_export_gathers_every_ranks_experts(two_ranks: TwoRankRun) -> None:
+    """The run's end-of-run export holds each expert as the rank that owns it saved it
+    (rank r: experts [r*E/2, (r+1)*E/2)), split into save_pretrained's per-expert names."""
+    from safetensors.torch import load_file
+
+    run_dir = Path(two_ranks.cfg.trainer.run_dir)
+    exported = load_file(str(run_dir / "exports" / "global_step_1" / "model.safetensors"))
+    checkpoint = run_dir / "checkpoints" / "step_000001"
+    ranks = [read_plain(checkpoint_file(checkpoint, rank))["model"] for rank in (0, 1)]
+    local = re.compile(
+        r"decoder\.layers\.(\d+)\.mlp\.experts\.local_experts\.(\d+)\.(linear_fc\d)\.weight"
+    )
+    per_rank = 1 + max(int(m.group(2)) for m in map(local.fullmatch, ranks[0]) if m)
+    checked = 0
+    for rank, state in enumerate(ranks):
+        for key, value in state.items():
+            match = local.fullmatch(key)
+            if match is None:
+                continue
+            layer, j, fc = int(match.group(1)), int(match.group(2)), match.group(3)
+            prefix = f"model.layers.{layer}.mlp.experts.{rank * per_rank + j}"
+            if fc == "linear_fc1":  # [gate; up]
+                got = torch.cat(
+                    [exported[f"{prefix}.gate_proj.weight"], exported[f"{prefix}.up_proj.weight"]]
+                )
+            else:
+                got = exported[f"{prefix}.down_proj.weight"]
+            assert torch.equal(got, value), key
+            checked += 1
+    assert checked == 2 * 2 * per_rank * two_ranks.cfg.model.builtin.num_layers
+    assert torch.equal(
+        exported["model.embed_tokens.weight"], ranks[1]["embedding.word_embeddings.weight"]
+    )

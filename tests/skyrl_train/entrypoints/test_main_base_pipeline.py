@@ -1,16 +1,21 @@
 """End to end with a two-stage pipeline on Ray (gloo) and R3, on Megatron's 1F1B
 schedule (PP=2) and on its interleaved one (PP=2 with two virtual stages each, and
 full activation recompute): two GRPO steps, weight sync gathered from both stages,
-per-stage checkpoints, and the first step compared with the same step on one rank
-(fp32 rollouts give both runs the same batch)."""
+per-stage checkpoints, Hugging Face exports gathered from both stages (in the run and by
+``scripts/export_hf.py`` from a checkpoint), and the first step compared with the same
+step on one rank (fp32 rollouts give both runs the same batch)."""
 
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import torch
 from _e2e import SMALL, probe, reload_and_probe, with_overrides
 
 from skyrl_train.config.compose import load_config
@@ -20,6 +25,8 @@ from skyrl_train.errors import ConfigValidationError
 from skyrl_train.trainer.policy import RankInfo
 
 pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[3]
 
 MC = "trainer.policy.megatron_config"
 PIPELINE = with_overrides(
@@ -34,6 +41,8 @@ PIPELINE = with_overrides(
     "trainer.placement.cpus_per_trainer=0.5",
     f"{MC}.pipeline_model_parallel_size=2",
     "logging.plot=false",
+    # An export after every step: both stages stream in lockstep mid-run as well.
+    "trainer.hf_save_interval=1",
 )
 INTERLEAVED = [
     f"{MC}.virtual_pipeline_model_parallel_size=2",
@@ -82,13 +91,19 @@ def pipeline(
     return PipelineRun(cfg, history, ranks, before, after, after_reload)
 
 
+@dataclass
+class OneRank:
+    metrics: dict[str, float]
+    run_dir: Path
+
+
 @pytest.fixture(scope="module")
-def one_rank(tmp_path_factory: pytest.TempPathFactory) -> dict[str, float]:
+def one_rank(tmp_path_factory: pytest.TempPathFactory) -> OneRank:
     run_dir = tmp_path_factory.mktemp("r3_pp1") / "run"
     cfg = load_config([*ONE_RANK, f"trainer.run_dir={run_dir}"])
     with launch(cfg) as job:
         (metrics,) = job.train()
-        return metrics
+    return OneRank(metrics, run_dir)
 
 
 def test_ranks_are_the_two_pipeline_stages(pipeline: PipelineRun) -> None:
@@ -123,9 +138,9 @@ def test_weights_sync_from_both_stages_and_checkpoints_restore_them(
 
 
 def test_the_pipeline_takes_the_update_one_rank_takes(
-    pipeline: PipelineRun, one_rank: dict[str, float]
+    pipeline: PipelineRun, one_rank: OneRank
 ) -> None:
-    first = pipeline.history[0]
+    first, one_rank = pipeline.history[0], one_rank.metrics
     assert first["reward/mean"] == one_rank["reward/mean"]  # the same rollouts
     for key in (
         "train/policy_loss",
@@ -137,6 +152,73 @@ def test_the_pipeline_takes_the_update_one_rank_takes(
         "r3/num_token_layers",
     ):
         assert first[key] == pytest.approx(one_rank[key], rel=1e-5, abs=1e-7), key
+
+
+def test_both_stages_export_what_one_rank_exports(pipeline: PipelineRun, one_rank: OneRank) -> None:
+    """The same step trains to the same bits on one rank and on two stages (fp32, the
+    same microbatches), so the exports after it are equal tensor for tensor."""
+    run_dir = Path(pipeline.cfg.trainer.run_dir)
+    assert sorted(p.name for p in (run_dir / "exports").iterdir()) == [
+        "global_step_1",
+        "global_step_2",
+    ]
+    staged = _weights(run_dir / "exports" / "global_step_1")
+    one = _weights(one_rank.run_dir / "exports" / "global_step_1")
+    assert staged.keys() == one.keys()
+    assert all(torch.equal(staged[name], one[name]) for name in staged)
+
+
+def test_the_export_script_gathers_both_stages_of_a_checkpoint(
+    pipeline: PipelineRun, one_rank: OneRank, tmp_path: Path
+) -> None:
+    """``scripts/export_hf.py`` on the PP=2 run's step-1 checkpoint writes, tensor for
+    tensor, the export the one-rank run wrote after the same step, and the one the
+    pipeline run itself wrote then."""
+    mc = pipeline.cfg.trainer.policy.megatron_config
+    if mc.virtual_pipeline_model_parallel_size is None:
+        # One run of the script (Ray, two ranks: ~30 s) on the harder layout; 1F1B's
+        # stages export in the run itself (the test above).
+        pytest.skip("the interleaved layout's checkpoint covers the script")
+    run_dir = Path(pipeline.cfg.trainer.run_dir)
+    out = tmp_path / "exported"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "scripts" / "export_hf.py"),
+            "--checkpoint",
+            str(run_dir / "checkpoints" / "step_000001"),
+            "--out",
+            str(out),
+            # Sharded: the index and the shard names are checked on this path too.
+            "--max-shard-bytes",
+            "500000",
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "starting 2 trainer rank(s): pipeline 2" in proc.stdout, proc.stdout
+    assert f"wrote {out}:" in proc.stdout, proc.stdout
+    assert (out / "model.safetensors.index.json").is_file()
+    exported = _weights(out)
+    in_run = _weights(run_dir / "exports" / "global_step_1")
+    one = _weights(one_rank.run_dir / "exports" / "global_step_1")
+    assert exported.keys() == in_run.keys() == one.keys()
+    assert all(torch.equal(exported[name], in_run[name]) for name in exported)
+    assert all(torch.equal(exported[name], one[name]) for name in exported)
+
+
+def _weights(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    tensors: dict[str, torch.Tensor] = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        tensors.update(load_file(str(file)))
+    return tensors
 
 
 def test_ranks_that_cannot_all_be_placed_are_refused_not_waited_for(tmp_path: Path) -> None:

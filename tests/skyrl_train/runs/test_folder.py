@@ -60,6 +60,9 @@ ARTEFACTS: dict[str, Callable[[Path], object]] = {
     "checkpoints/step_000002.tmp-1a2b3c4d": lambda d: (
         d / "checkpoints" / "step_000002.tmp-1a2b3c4d"
     ).mkdir(parents=True),
+    "exports/global_step_1.tmp-1a2b3c4d": lambda d: (
+        d / "exports" / "global_step_1.tmp-1a2b3c4d"
+    ).mkdir(parents=True),
     "metrics.jsonl": lambda d: (d / "metrics.jsonl").write_bytes(b""),
     "metrics.png": lambda d: (d / "metrics.png").write_bytes(b"\x89PNG"),
     "main_base.log": lambda d: (d / "main_base.log").write_text("launch\n"),

@@ -104,6 +104,8 @@ def _run(
             "logging.progress_bar=false",
             # Fake engines serve no weights to check (test_served_weights.py does).
             "generator.inference_engine.verify_weights_interval=0",
+            # A fake policy holds no model to export (test_main_base*.py export one).
+            "trainer.hf_save_interval=-1",
             *overrides,
         ]
     )
