@@ -59,6 +59,17 @@ class GenerateClient(Protocol):
     ) -> Any: ...
 
 
+class Episode(Protocol):
+    """The part of an environment a rollout uses; ``skyrl_gym.Env`` has it, and so does
+    the evaluation's wrapper that records which row's environment raised."""
+
+    def init(self, prompt: list[dict[str, str]]) -> tuple[list[dict[str, str]], Any]: ...
+
+    def step(self, action: str) -> Any: ...
+
+    def close(self) -> None: ...
+
+
 class GymGenerator:
     """``async generate(GeneratorInput) -> GeneratorOutput`` over one or more servers."""
 
@@ -124,7 +135,7 @@ class GymGenerator:
         batch: GeneratorInput,
         *,
         seed: int | None = None,
-        make_env: Callable[..., skyrl_gym.Env] | None = None,
+        make_env: Callable[..., Episode] | None = None,
     ) -> GeneratorOutput:
         """Roll out every prompt of ``batch``. ``seed``: request seeds derive from it as
         a new generator's first call with that seed would, so a caller keeping one
@@ -173,7 +184,7 @@ class GymGenerator:
         self,
         index: int,
         prompt: list[dict[str, str]],
-        env: skyrl_gym.Env,
+        env: Episode,
         call_key: tuple[int, int],
     ) -> Trajectory:
         cfg = self.config

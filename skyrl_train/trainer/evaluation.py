@@ -141,7 +141,7 @@ class _WatchedEnv:
         self.env = env
         self.watch = watch
 
-    def init(self, prompt: list[dict[str, str]]) -> Any:
+    def init(self, prompt: list[dict[str, str]]) -> tuple[list[dict[str, str]], Any]:
         return self.watch.call("init", self.env.init, prompt)
 
     def step(self, action: str) -> Any:
