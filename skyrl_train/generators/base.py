@@ -1,10 +1,11 @@
-"""The seam between the generator and batch preprocessing."""
+"""The generator's contracts: its input and output (the seam with batch preprocessing)
+and the two things a rollout talks to, an engine client and an environment episode."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -133,3 +134,35 @@ def concat_outputs(parts: Sequence[GeneratorOutput]) -> GeneratorOutput:
         solved=reported_solved([s for p in parts for s in (p.solved or [None] * len(p.rewards))]),
         policy_versions=join("policy_versions"),
     )
+
+
+class GenerateClient(Protocol):
+    """The part of a client the generator uses; ``inference.client.GenerateClient``
+    (``RemoteGenerateClient``, ``VLLMClient``) has it."""
+
+    @property
+    def supports_packed_body(self) -> bool:
+        """Read only when routes are requested (stand-ins without routes may omit it)."""
+        ...
+
+    async def generate(
+        self,
+        *,
+        prompt_token_ids: Sequence[int],
+        sampling_params: Any,
+        return_routed_experts: bool = False,
+        routed_experts_prompt_start: int | None = None,
+        return_packed_body: bool = False,
+        return_sample_support: bool | int = False,
+    ) -> Any: ...
+
+
+class Episode(Protocol):
+    """The part of an environment a rollout uses; ``skyrl_gym.Env`` has it, and so does
+    the evaluation's wrapper that records which row's environment raised."""
+
+    def init(self, prompt: list[dict[str, str]]) -> tuple[list[dict[str, str]], Any]: ...
+
+    def step(self, action: str) -> Any: ...
+
+    def close(self) -> None: ...

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
@@ -27,7 +27,13 @@ from skyrl_train.config.schema import (
 )
 from skyrl_train.config.validate import check_sampling_params
 from skyrl_train.errors import ConfigValidationError, RouteTraceError
-from skyrl_train.generators.base import GeneratorInput, GeneratorOutput, reported_solved
+from skyrl_train.generators.base import (
+    Episode,
+    GenerateClient,
+    GeneratorInput,
+    GeneratorOutput,
+    reported_solved,
+)
 from skyrl_train.generators.rendering import ChatTemplateRenderer, ObservationRenderer
 from skyrl_train.generators.traces import RoutedExpertTrace
 from skyrl_train.generators.trajectory import (
@@ -36,38 +42,6 @@ from skyrl_train.generators.trajectory import (
     STOP_MAX_TURNS,
     Trajectory,
 )
-
-
-class GenerateClient(Protocol):
-    """The part of a client the generator uses; ``inference.client.GenerateClient``
-    (``RemoteGenerateClient``, ``VLLMClient``) has it."""
-
-    @property
-    def supports_packed_body(self) -> bool:
-        """Read only when routes are requested (stand-ins without routes may omit it)."""
-        ...
-
-    async def generate(
-        self,
-        *,
-        prompt_token_ids: Sequence[int],
-        sampling_params: Any,
-        return_routed_experts: bool = False,
-        routed_experts_prompt_start: int | None = None,
-        return_packed_body: bool = False,
-        return_sample_support: bool | int = False,
-    ) -> Any: ...
-
-
-class Episode(Protocol):
-    """The part of an environment a rollout uses; ``skyrl_gym.Env`` has it, and so does
-    the evaluation's wrapper that records which row's environment raised."""
-
-    def init(self, prompt: list[dict[str, str]]) -> tuple[list[dict[str, str]], Any]: ...
-
-    def step(self, action: str) -> Any: ...
-
-    def close(self) -> None: ...
 
 
 class GymGenerator:
