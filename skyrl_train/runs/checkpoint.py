@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from skyrl_train.errors import CheckpointError, ConfigValidationError
-from skyrl_train.utils.durable import fsync_dir, write_file
+from skyrl_train.utils.durable import fsync_dir, rename_into_place, temp_sibling, write_file
 
 if TYPE_CHECKING:
     from skyrl_train.config.schema import PPOConfig
@@ -90,7 +90,7 @@ def begin_save(root: Path, *, step: int) -> Path:
     earlier saves left (one run writes to a run_dir at a time, so none is live)."""
     root.mkdir(parents=True, exist_ok=True)
     remove_stale_saves(root)
-    folder = root / f"{checkpoint_name(step)}.tmp-{secrets.token_hex(4)}"
+    folder = temp_sibling(root / checkpoint_name(step))
     folder.mkdir()
     return folder
 
@@ -125,12 +125,10 @@ def commit_save(folder: Path, *, step: int) -> Path:
     if final.exists():
         try:
             verify_checkpoint(final, hash_files=False)
-            aside, ours = _aside(final), True
+            aside, ours = temp_sibling(final), True
         except CheckpointError:
             aside = final.with_name(f"{final.name}.replaced-{secrets.token_hex(4)}")
-        os.rename(final, aside)
-    os.rename(folder, final)
-    fsync_dir(final.parent)
+    rename_into_place(folder, final, aside=aside)
     if aside is not None and ours:
         shutil.rmtree(aside, ignore_errors=True)
     return final
@@ -166,7 +164,7 @@ def prune_checkpoints(root: Path, *, keep: int | None, current_step: int) -> lis
         if found.folder not in kept:
             # Renamed first: a crash mid-delete leaves a temp folder, not a step_*
             # folder with files missing.
-            aside = _aside(found.folder)
+            aside = temp_sibling(found.folder)
             os.rename(found.folder, aside)
             shutil.rmtree(aside, ignore_errors=True)
             removed.append(found.folder)
@@ -354,10 +352,6 @@ def _sha256(path: Path) -> str:
         while chunk := fh.read(_CHUNK):
             digest.update(chunk)
     return digest.hexdigest()
-
-
-def _aside(folder: Path) -> Path:
-    return folder.with_name(f"{folder.name}.tmp-{secrets.token_hex(4)}")
 
 
 def _read_json_object(path: Path, key: str) -> dict[str, Any]:

@@ -32,7 +32,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import secrets
 import shutil
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -42,7 +41,7 @@ from typing import Any
 import torch
 
 from skyrl_train.errors import ConfigValidationError
-from skyrl_train.utils.durable import fsync_dir, write_file
+from skyrl_train.utils.durable import fsync_dir, rename_into_place, temp_sibling, write_file
 
 EXPORTS_DIR = "exports"
 MARKER_FILE = "skyrl_export.json"
@@ -171,7 +170,7 @@ def begin_export(final: Path, *, key: str = EXPORT_KEY) -> Path:
     check_target(final, key=key)
     final.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_exports(final.parent, final.name)
-    temp = final.parent / f"{final.name}.tmp-{secrets.token_hex(4)}"
+    temp = temp_sibling(final)
     temp.mkdir()
     return temp
 
@@ -286,12 +285,9 @@ def commit_export(
     write_file(folder / MARKER_FILE, json.dumps(marker, indent=1).encode() + b"\n")
     fsync_dir(folder)
     check_target(final, key=key)  # nothing of the user's appeared there meanwhile
-    aside = None
-    if final.is_dir() and any(final.iterdir()):
-        aside = final.with_name(f"{final.name}.tmp-{secrets.token_hex(4)}")
-        os.rename(final, aside)
-    os.rename(folder, final)  # over an empty folder, if one was there
-    fsync_dir(final.parent)
+    # An empty folder at final is renamed over, not set aside.
+    aside = temp_sibling(final) if final.is_dir() and any(final.iterdir()) else None
+    rename_into_place(folder, final, aside=aside)
     if aside is not None:
         shutil.rmtree(aside, ignore_errors=True)
     return final

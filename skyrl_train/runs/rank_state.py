@@ -154,8 +154,7 @@ def load_rank_state(
         if saved_layout.get(name) != value:
             raise ConfigValidationError(
                 f"trainer.policy.megatron_config.{name}",
-                expected=f"the checkpoint's {saved_layout.get(name)!r} to resume "
-                f"{str(folder)!r}",
+                expected=f"the checkpoint's {saved_layout.get(name)!r} to resume {str(folder)!r}",
                 got=repr(value),
             )
     return state
