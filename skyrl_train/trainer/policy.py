@@ -293,9 +293,10 @@ class PolicyTrainer:
                     else mini_batch_tokens[k]
                 )
                 if global_tokens == 0:
-                    # Nothing to learn from (every group flat under zero_variance_filter):
-                    # no optimizer step, since Adam's momentum alone would go on moving
-                    # the weights. Every rank sees the same global count and skips.
+                    # Nothing to learn from (flat groups left out by skip_flat_steps or
+                    # zero_variance_filter): no optimizer step, since Adam's momentum
+                    # alone would go on moving the weights. Every rank sees the same
+                    # global count and skips.
                     skipped += 1
                     continue
                 # Each microbatch divides by the global mini-batch's token count over
@@ -446,10 +447,16 @@ class PolicyTrainer:
                 source=Path(source),
                 max_shard_bytes=max_shard_bytes,
             )
+        self._join_export()
+        return None
+
+    def _join_export(self) -> None:
+        """A rank that neither pushes nor writes still runs the export when experts or
+        layers are sharded: the stream gathers them over the EP and pipeline groups, and
+        every rank of those groups must take part in lockstep."""
         if self.info.ep_size > 1 or self.info.pp_size > 1:
             for _ in self.worker.export_weights():
                 pass
-        return None
 
     def push_weights(
         self, urls: list[str], *, api_key: str | None = None, policy_version: int | None = None
@@ -462,9 +469,7 @@ class PolicyTrainer:
         from skyrl_train.trainer.engine_clients import ClientOptions, make_client
 
         if not urls:
-            if self.info.ep_size > 1 or self.info.pp_size > 1:
-                for _ in self.worker.export_weights():
-                    pass
+            self._join_export()
             return {}
 
         async def push() -> dict[str, float]:
