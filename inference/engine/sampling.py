@@ -12,7 +12,7 @@ z / T, most likely first (a stable sort: equal values keep id order):
    broken by id, where vLLM keeps every tied token);
 2. top-p: of those, the shortest prefix whose mass under softmax(z / T) renormalised
    over step 1's set reaches p, i.e. a token is kept when the mass before it is < p;
-   the first token always is.
+   the first token always is, and p = 1 keeps every one of them (no cut).
 
 Greedy (T = 0) is the one-token limit: q = 1 on the argmax (logprob 0).
 ``logprobs_mode="processed_logprobs"`` reports log q of the sampled token and of each
@@ -90,8 +90,11 @@ def kept_set(
     sorted_vals = sorted_vals.masked_fill(~keep, float("-inf"))
     probs = torch.softmax(sorted_vals, dim=-1)
     # top-p keeps the shortest prefix whose mass reaches top_p (always >= 1 token).
+    # top_p = 1 is no cut, exactly: the float32 running sum reaches 1 before the tail
+    # (of 152,064 logits drawn N(0, 3^2) it kept 128k-130k, dropping ~2.8e-5 of the
+    # mass), while the trainer replays the whole vocabulary for it (docs/design.md §7).
     mass_before = torch.cumsum(probs, dim=-1) - probs
-    keep &= mass_before < top_p[:, None]
+    keep &= (mass_before < top_p[:, None]) | (top_p[:, None] >= 1.0)
     keep[:, 0] = True
     probs = probs.masked_fill(~keep, 0.0)
     logq = torch.log_softmax(sorted_vals.masked_fill(~keep, float("-inf")), dim=-1)
