@@ -11,7 +11,7 @@ from skyrl_train.algorithms.advantages import (
     compute_rloo_advantages,
     contiguous_groups,
 )
-from skyrl_train.algorithms.metrics import StepMetrics, reduction_of
+from skyrl_train.algorithms.metrics import MetricSums
 from skyrl_train.algorithms.mismatch import (
     MISSING_LOGPROB,
     LogprobMismatch,
@@ -51,12 +51,12 @@ __all__ = [
     "TIS_RATIO_TYPES",
     "GRPOAdvantages",
     "LogprobMismatch",
+    "MetricSums",
     "OffPolicyCorrection",
     "OffPolicyStats",
     "OffPolicyWeights",
     "PolicyLossOutput",
     "RouterAgreement",
-    "StepMetrics",
     "compute_advantages",
     "compute_grpo_advantages",
     "compute_reinforce_plus_plus_advantages",
@@ -68,7 +68,6 @@ __all__ = [
     "mean_token_entropy",
     "off_policy_weights",
     "ppo_policy_loss",
-    "reduction_of",
     "router_agreement",
     "success_rate",
     "token_entropy",

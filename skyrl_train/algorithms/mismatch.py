@@ -19,6 +19,7 @@ from skyrl_train.algorithms._common import (
     check_tensor,
     k3,
 )
+from skyrl_train.algorithms.metrics import MetricSums
 
 LN2 = math.log(2.0)
 
@@ -38,16 +39,18 @@ class LogprobMismatch:
     num_missing: int
     """Loss-active tokens skipped because the engine sent no usable logprob."""
 
-    def to_metrics(self, prefix: str) -> dict[str, float]:
-        """Keys follow ``StepMetrics``' reduction rule (``max_*`` max, ``num_*`` sum)."""
-        return {
-            f"{prefix}/mean_abs_logp_diff": self.mean_abs_diff,
-            f"{prefix}/max_abs_logp_diff": self.max_abs_diff,
-            f"{prefix}/k3_kl": self.k3_kl,
-            f"{prefix}/frac_abs_logp_diff_gt_ln2": self.frac_abs_diff_gt_ln2,
-            f"{prefix}/num_tokens": float(self.num_tokens),
-            f"{prefix}/num_missing_logprobs": float(self.num_missing),
-        }
+    def to_metrics(self, prefix: str) -> MetricSums:
+        """The means as sums over ``num_tokens`` (so ranks combine by their own token
+        counts), the max as a max, the counts as sums."""
+        metrics = MetricSums()
+        n = float(self.num_tokens)
+        metrics.mean(f"{prefix}/mean_abs_logp_diff", self.mean_abs_diff * n, n)
+        metrics.maximum(f"{prefix}/max_abs_logp_diff", self.max_abs_diff)
+        metrics.mean(f"{prefix}/k3_kl", self.k3_kl * n, n)
+        metrics.mean(f"{prefix}/frac_abs_logp_diff_gt_ln2", self.frac_abs_diff_gt_ln2 * n, n)
+        metrics.total(f"{prefix}/num_tokens", n)
+        metrics.total(f"{prefix}/num_missing_logprobs", float(self.num_missing))
+        return metrics
 
 
 @torch.no_grad()
@@ -96,11 +99,14 @@ class RouterAgreement:
     per_layer: list[float]
     num_token_layers: int
 
-    def to_metrics(self, prefix: str) -> dict[str, float]:
-        return {
-            f"{prefix}/router_agreement": self.agreement,
-            f"{prefix}/num_token_layers": float(self.num_token_layers),
-        }
+    def to_metrics(self, prefix: str) -> MetricSums:
+        """The agreement as agreeing token-layers over ``num_token_layers`` (1.0 while
+        none was compared), and that count."""
+        metrics = MetricSums()
+        n = float(self.num_token_layers)
+        metrics.mean(f"{prefix}/router_agreement", self.agreement * n, n, empty=1.0)
+        metrics.total(f"{prefix}/num_token_layers", n)
+        return metrics
 
 
 @torch.no_grad()

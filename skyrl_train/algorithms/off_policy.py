@@ -8,15 +8,20 @@ trainer's old policy. Per loss-active token the importance ratio is
     ratio_t = exp(clamp(old_logprobs_t - rollout_logprobs_t, -20, 20))
 
 and the correction turns it into one weight per token: truncated importance sampling
-(token or sequence level) scales the token's loss, and the masks drop whole sequences
-whose ratios say the sample is too far off-policy to learn from.
+(token or sequence level) scales the token's loss, the sequence and outlier masks drop
+whole sequences whose ratios say the sample is too far off-policy to learn from, and
+the token band (SkyRL's ``token_mask_is_threshold_low/high``, IcePop-style) drops only
+the tokens whose own ratio is outside it.
 
 Placeholder tokens: the engine sends ``MISSING_LOGPROB`` (-9999.0) when it could not
-report a finite logprob. Such a token's ratio is unknown, not huge: it is taken as 1
-(weight 1 under token TIS, left out of every product and mean, never masks its
-sequence) and counted in ``placeholder_token_frac``. Taken at face value its
-log-ratio would be ~+9999, the weight would sit at the TIS cap and the sequence would
-fail every mask.
+report a finite logprob. Such a token's ratio is unknown, not huge: it is no evidence
+either way, so it never masks anything, under any band, even one that excludes 1 (a
+rule of its own here, not a consequence of taking the ratio as 1): weight 1 under
+token TIS, left out of every product and mean, never dropped by the token band, and
+counted in ``placeholder_token_frac``. A row with no ratio to judge it by (all
+placeholders, or every real token dropped by the token band) is kept by the sequence
+masks. Taken at face value its log-ratio would be ~+9999, the weight would sit at the
+TIS cap and the sequence would fail every mask.
 
 Everything here is computed without gradient: the weights are constants of the step.
 """
@@ -38,6 +43,7 @@ from skyrl_train.algorithms._common import (
     check_tensor,
     masked_log_ratio,
 )
+from skyrl_train.algorithms.metrics import MetricSums
 
 TisRatioType = Literal["token", "sequence"]
 TIS_RATIO_TYPES: tuple[str, ...] = get_args(TisRatioType)
@@ -64,6 +70,8 @@ class OffPolicyCorrection:
     geo_mask_high: float = 1.01
     outlier_token_is_threshold_low: float | None = None
     outlier_token_is_threshold_high: float | None = None
+    token_mask_is_threshold_low: float | None = None
+    token_mask_is_threshold_high: float | None = None
 
     def __post_init__(self) -> None:
         # Config values are range-checked at launch (schema ``setting``s); these checks
@@ -89,6 +97,28 @@ class OffPolicyCorrection:
                     raise ValueError(f"{name}: expected a number >= 0, got {value}")
             if low is not None and high is not None and low > high:
                 raise ValueError(f"{low_name}: expected <= {high_name} ({high}), got {low}")
+        self._check_token_band()
+
+    def _check_token_band(self) -> None:
+        """The token band is on only with both bounds (SkyRL's rule); one alone would be
+        silently ignored there, so it is refused here, as is an empty band."""
+        low, high = self.token_mask_is_threshold_low, self.token_mask_is_threshold_high
+        for name, bound, other_name, other in (
+            ("token_mask_is_threshold_low", low, "token_mask_is_threshold_high", high),
+            ("token_mask_is_threshold_high", high, "token_mask_is_threshold_low", low),
+        ):
+            if bound is not None and not (math.isfinite(bound) and bound > 0):
+                raise ValueError(f"{name}: expected None or a finite number > 0, got {bound}")
+            if bound is None and other is not None:
+                raise ValueError(
+                    f"{name}: expected a number beside {other_name} ({other}); both None "
+                    "turns the token mask off, got None"
+                )
+        if low is not None and high is not None and not low < high:
+            raise ValueError(
+                f"token_mask_is_threshold_low: expected < token_mask_is_threshold_high "
+                f"({high}), got {low}"
+            )
 
     @property
     def enabled(self) -> bool:
@@ -98,6 +128,7 @@ class OffPolicyCorrection:
             or self.sequence_mask_metric is not None
             or self.outlier_token_is_threshold_low is not None
             or self.outlier_token_is_threshold_high is not None
+            or self.token_mask_is_threshold_low is not None
         )
 
     @classmethod
@@ -122,16 +153,23 @@ class OffPolicyCorrection:
 @dataclass
 class OffPolicyStats:
     """Counts behind the correction's metrics, kept as sums (and a min/max) so that
-    several microbatches combine into token-weighted means: a microbatch of 3 tokens
-    must not count as much as one of 300 (``merge``, then ``to_metrics``)."""
+    microbatches and ranks combine into the whole batch's means: each metric is its
+    own numerator over its own denominator (``to_metrics``), summed before dividing."""
 
     num_tokens: float = 0.0
     """Loss-active tokens."""
     num_sequences: float = 0.0
     """Rows with at least one loss-active token."""
     masked_tokens: float = 0.0
-    """Loss-active tokens of masked sequences (weight 0)."""
+    """Loss-active tokens a mask gave weight 0: a dropped sequence's, or one outside
+    the token band."""
     masked_sequences: float = 0.0
+    """Rows with loss-active tokens dropped whole (sequence or outlier mask)."""
+    token_band_tokens: float = 0.0
+    """Loss-active tokens of rows the outlier mask kept: the ones the token band
+    judges (SkyRL's denominator of its ``token_mask_ratio``)."""
+    token_masked_tokens: float = 0.0
+    """Of those, the ones whose ratio is outside the token band (0 with the band off)."""
     placeholder_tokens: float = 0.0
     """Loss-active tokens whose rollout logprob was the engine's placeholder."""
     ratio_tokens: float = 0.0
@@ -146,41 +184,28 @@ class OffPolicyStats:
     clipped_tokens: float = 0.0
     """Kept tokens whose TIS weight was cut at its clip."""
 
-    def merge(self, other: OffPolicyStats) -> OffPolicyStats:
-        sums = {
-            f.name: getattr(self, f.name) + getattr(other, f.name)
-            for f in dataclasses.fields(self)
-            if f.name not in ("ratio_min", "ratio_max")
-        }
-        return OffPolicyStats(
-            **sums,
-            ratio_min=min(self.ratio_min, other.ratio_min),
-            ratio_max=max(self.ratio_max, other.ratio_max),
-        )
-
-    def to_metrics(self, prefix: str = "off_policy") -> dict[str, float]:
+    def to_metrics(self, prefix: str = "off_policy") -> MetricSums:
         """Shares of tokens are over ``num_tokens``, of sequences over
-        ``num_sequences``; the weight mean and clip share are over the tokens left in
-        the loss (masking is its own metric); the ratio over tokens with a real rollout
-        logprob. An empty denominator gives 0.0, and min/max are left out when no
-        ratio was seen. Keys follow ``StepMetrics``' reduction rule (``min_*``,
-        ``max_*``, ``num_*``), so ranks combine them correctly."""
-
-        def share(part: float, whole: float) -> float:
-            return part / whole if whole > 0 else 0.0
-
-        metrics = {
-            f"{prefix}/num_tokens": self.num_tokens,
-            f"{prefix}/masked_token_frac": share(self.masked_tokens, self.num_tokens),
-            f"{prefix}/masked_seq_frac": share(self.masked_sequences, self.num_sequences),
-            f"{prefix}/placeholder_token_frac": share(self.placeholder_tokens, self.num_tokens),
-            f"{prefix}/ratio_mean": share(self.ratio_sum, self.ratio_tokens),
-            f"{prefix}/weight_mean": share(self.weight_sum, self.kept_tokens),
-            f"{prefix}/weight_clip_frac": share(self.clipped_tokens, self.kept_tokens),
-        }
+        ``num_sequences``, the token band's over the tokens it judged; the weight mean
+        and clip share are over the tokens left in the loss (masking is its own
+        metric); the ratio over tokens with a real rollout logprob. Each is recorded
+        as its numerator and that denominator (an empty one reads 0.0), min/max as
+        extremes, left out when no ratio was seen."""
+        metrics = MetricSums()
+        metrics.total(f"{prefix}/num_tokens", self.num_tokens)
+        for name, part, whole in (
+            ("masked_token_frac", self.masked_tokens, self.num_tokens),
+            ("masked_seq_frac", self.masked_sequences, self.num_sequences),
+            ("token_mask_frac", self.token_masked_tokens, self.token_band_tokens),
+            ("placeholder_token_frac", self.placeholder_tokens, self.num_tokens),
+            ("ratio_mean", self.ratio_sum, self.ratio_tokens),
+            ("weight_mean", self.weight_sum, self.kept_tokens),
+            ("weight_clip_frac", self.clipped_tokens, self.kept_tokens),
+        ):
+            metrics.mean(f"{prefix}/{name}", part, whole)
         if self.ratio_tokens > 0:
-            metrics[f"{prefix}/min_ratio"] = self.ratio_min
-            metrics[f"{prefix}/max_ratio"] = self.ratio_max
+            metrics.minimum(f"{prefix}/min_ratio", self.ratio_min)
+            metrics.maximum(f"{prefix}/max_ratio", self.ratio_max)
         return metrics
 
 
@@ -203,21 +228,26 @@ def off_policy_weights(
 ) -> OffPolicyWeights:
     """Per-token loss weights ``[B, R]`` and their counts for one (micro)batch.
 
-    With r_t the ratio of each loss-active token with a real rollout logprob and
-    L_i = clamp(sum_t log r_t, -20, 20) sequence i's log-product:
+    In SkyRL's order, with r_t the ratio of each loss-active token with a real rollout
+    logprob:
 
-    - ``tis_ratio_type: token``: w_t = min(r_t, token_tis_ratio_clip_high);
-    - ``tis_ratio_type: sequence``: every token of sequence i gets
-      min(exp(L_i), sequence_tis_ratio_clip_high);
-    - ``sequence_mask_metric: product``: sequence i is masked when exp(L_i) is outside
-      [product_mask_low, product_mask_high]; ``geometric``: when exp(mean_t log r_t) is
-      outside [geo_mask_low, geo_mask_high];
-    - ``outlier_token_is_threshold_low/high``: sequence i is masked when any r_t is
-      below low or above high (either may be None: no bound on that side).
+    1. ``outlier_token_is_threshold_low/high``: sequence i is dropped when any r_t is
+       below low or above high (either may be None: no bound on that side);
+    2. ``token_mask_is_threshold_low/high``: each token of a sequence still kept whose
+       r_t is outside [low, high] is dropped on its own (IcePop);
+    3. the sequence quantities are taken over the tokens left ("evidence": real and
+       not dropped by step 2), L_i = clamp(sum_t log r_t, -20, 20):
+       ``tis_ratio_type: token``: w_t = min(r_t, token_tis_ratio_clip_high);
+       ``sequence``: every token of sequence i gets min(exp(L_i),
+       sequence_tis_ratio_clip_high);
+    4. ``sequence_mask_metric: product``: sequence i is dropped when exp(L_i) is outside
+       [product_mask_low, product_mask_high]; ``geometric``: when exp(mean_t log r_t) is
+       outside [geo_mask_low, geo_mask_high]; a row with no evidence is kept.
 
-    A masked sequence's tokens get weight 0. Placeholder tokens (rollout logprob <=
-    ``MISSING_LOGPROB``, or NaN) have r_t = 1 and enter no sum or mean: weight 1 under
-    token TIS, the sequence's weight under sequence TIS (it weighs every token).
+    Every band is inclusive. Dropped tokens get weight 0 (and stay in the loss's
+    token count: ``policy_loss._clipped_surrogate``). Placeholder tokens (rollout
+    logprob <= ``MISSING_LOGPROB``, or NaN) have no ratio: no band drops them or
+    their row, and under TIS they weigh 1 (token) or their row's weight (sequence).
     """
     old = check_tensor(old_logprobs, "old_logprobs", ndim=2)
     rollout = check_tensor(rollout_logprobs, "rollout_logprobs", ndim=2)
@@ -236,28 +266,32 @@ def off_policy_weights(
     # cannot leak), each term clamped to +-20 like every other log-ratio here.
     log_ratio = masked_log_ratio(old.detach(), rollout.detach(), real.to(mask.dtype))
     ratio = torch.exp(log_ratio)
+
+    outlier = _outside(ratio, c.outlier_token_is_threshold_low, c.outlier_token_is_threshold_high)
+    keep = ~(real & outlier).any(dim=1)
+    # What the token band judges: the outlier mask has already dropped the other rows.
+    band_tokens = active & keep[:, None]
+    token_dropped = torch.zeros_like(real)
+    if c.token_mask_is_threshold_low is not None:
+        band = _outside(ratio, c.token_mask_is_threshold_low, c.token_mask_is_threshold_high)
+        token_dropped = real & band_tokens & band
+    evidence = real & ~token_dropped
+    evidence_log = torch.where(evidence, log_ratio, torch.zeros_like(log_ratio))
+    per_row = evidence.sum(dim=1)
     # Per-token terms are already bounded, but a long sequence's sum is not: clamp it
     # again before exp, so the product is at most e^20 whatever the length.
-    sequence_log = log_ratio.sum(dim=1).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
-    sequence_ratio = torch.exp(sequence_log)
-    per_row = real.sum(dim=1)
-
-    keep = torch.ones(old.shape[0], dtype=torch.bool, device=old.device)
-    if c.sequence_mask_metric == "product":
-        keep &= (sequence_ratio >= c.product_mask_low) & (sequence_ratio <= c.product_mask_high)
-    elif c.sequence_mask_metric == "geometric":
-        # Mean over the real tokens only: a placeholder is no evidence either way, so
-        # it must not pull the mean toward 1. A row with none has mean 0, ratio 1.
-        geometric = torch.exp(log_ratio.sum(dim=1) / per_row.clamp(min=1))
-        keep &= (geometric >= c.geo_mask_low) & (geometric <= c.geo_mask_high)
-    low, high = c.outlier_token_is_threshold_low, c.outlier_token_is_threshold_high
-    if low is not None or high is not None:
-        outside = torch.zeros_like(real)
-        if low is not None:
-            outside |= ratio < low
-        if high is not None:
-            outside |= ratio > high
-        keep &= ~(outside & real).any(dim=1)
+    sequence_ratio = torch.exp(evidence_log.sum(dim=1).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND))
+    if c.sequence_mask_metric is not None:
+        if c.sequence_mask_metric == "product":
+            value, low, high = sequence_ratio, c.product_mask_low, c.product_mask_high
+        else:
+            # Mean over the evidence only: a placeholder is no evidence either way, so
+            # it must not pull the mean toward 1.
+            value = torch.exp(evidence_log.sum(dim=1) / per_row.clamp(min=1))
+            low, high = c.geo_mask_low, c.geo_mask_high
+        # A row with no evidence has product 1 by convention, not by measurement: a band
+        # that excludes 1 must not drop it.
+        keep &= ~_outside(value, low, high) | (per_row == 0)
 
     weight = torch.ones_like(ratio)
     clipped = torch.zeros_like(real)
@@ -268,7 +302,7 @@ def off_policy_weights(
         cap = c.sequence_tis_ratio_clip_high
         weight = sequence_ratio.clamp(max=cap)[:, None].expand_as(ratio)
         clipped = active & (sequence_ratio > cap)[:, None]
-    kept = active & keep[:, None]
+    kept = active & keep[:, None] & ~token_dropped
     weight = torch.where(kept, weight, torch.zeros_like(weight))
     clipped = clipped & kept
 
@@ -279,8 +313,10 @@ def off_policy_weights(
     values = {
         "num_tokens": active.sum(),
         "num_sequences": has_tokens.sum(),
-        "masked_tokens": (active & ~keep[:, None]).sum(),
+        "masked_tokens": (active & ~kept).sum(),
         "masked_sequences": (has_tokens & ~keep).sum(),
+        "token_band_tokens": band_tokens.sum(),
+        "token_masked_tokens": token_dropped.sum(),
         "placeholder_tokens": placeholder.sum(),
         "ratio_tokens": real.sum(),
         "ratio_sum": torch.where(real, ratio, torch.zeros_like(ratio)).sum(),
@@ -293,3 +329,13 @@ def off_policy_weights(
     host = torch.stack([v.double() for v in values.values()]).tolist()
     stats = OffPolicyStats(**dict(zip(values, host, strict=True)))
     return OffPolicyWeights(weights=weight.detach(), clipped=clipped, stats=stats)
+
+
+def _outside(ratio: torch.Tensor, low: float | None, high: float | None) -> torch.Tensor:
+    """Where ``ratio`` is outside the inclusive band [low, high] (None: no bound)."""
+    out = torch.zeros_like(ratio, dtype=torch.bool)
+    if low is not None:
+        out |= ratio < low
+    if high is not None:
+        out |= ratio > high
+    return out

@@ -45,7 +45,7 @@ class PolicyLossOutput:
     the other means are over loss-active tokens (0.0 when there are none)."""
     off_policy: OffPolicyStats | None = None
     """The correction's counts, None without one; sums, so a caller can combine
-    microbatches token-weighted (``OffPolicyStats.merge``)."""
+    microbatches and ranks into the whole batch's means (``OffPolicyStats.to_metrics``)."""
 
 
 def ppo_policy_loss(

@@ -28,7 +28,8 @@ def corrects_off_policy(cfg: PPOConfig) -> bool:
 
 
 def check_off_policy_correction(cfg: PPOConfig) -> None:
-    """Refuse ``use_tis: true`` beside an ``off_policy_correction`` that says otherwise.
+    """Refuse a token band with one bound (``check_token_mask_band``) and ``use_tis:
+    true`` beside an ``off_policy_correction`` that says otherwise.
 
     ``use_tis`` means token TIS clipped at ``tis_imp_ratio_cap``. With ``tis_ratio_type:
     null`` it applies as such (``token_tis_ratio_clip_high`` unused, as SkyRL's new keys
@@ -36,6 +37,7 @@ def check_off_policy_correction(cfg: PPOConfig) -> None:
     same thing and the launch goes on. Otherwise two weights are asked for and neither
     can be picked silently: the refusal names ``use_tis``, the older key, to drop.
     """
+    check_token_mask_band(cfg)
     alg = cfg.trainer.algorithm
     if not alg.use_tis:
         return
@@ -55,6 +57,31 @@ def check_off_policy_correction(cfg: PPOConfig) -> None:
             f"token_tis_ratio_clip_high {clip} (use_tis would clip at "
             f"{ALGORITHM}.tis_imp_ratio_cap, {alg.tis_imp_ratio_cap})",
             got="true",
+        )
+
+
+def check_token_mask_band(cfg: PPOConfig) -> None:
+    """``token_mask_is_threshold_low/high`` are both null (off) or both set with low <
+    high. SkyRL turns the token mask on only with both and ignores one alone; here one
+    alone is refused, naming the missing key, rather than silently doing nothing."""
+    node = cfg.trainer.algorithm.off_policy_correction
+    low, high = node.token_mask_is_threshold_low, node.token_mask_is_threshold_high
+    for name, value, other_name, other in (
+        ("token_mask_is_threshold_high", high, "token_mask_is_threshold_low", low),
+        ("token_mask_is_threshold_low", low, "token_mask_is_threshold_high", high),
+    ):
+        if value is None and other is not None:
+            raise ConfigValidationError(
+                f"{CORRECTION}.{name}",
+                expected=f"a number with {CORRECTION}.{other_name} {other} (the token mask "
+                "needs both bounds; both null turns it off)",
+                got="null",
+            )
+    if low is not None and high is not None and not low < high:
+        raise ConfigValidationError(
+            f"{CORRECTION}.token_mask_is_threshold_low",
+            expected=f"< {CORRECTION}.token_mask_is_threshold_high ({high})",
+            got=str(low),
         )
 
 

@@ -281,8 +281,9 @@ class OffPolicyCorrectionConfig:
     token whose rollout logprob is the engine's -9999 placeholder counting as ratio 1.
     All null (the default): no correction.
 
-    Bounds must hold ratio 1 (low <= 1 <= high): an on-policy sequence, or one whose
-    logprobs the engine could not send, is never masked."""
+    The sequence and outlier bounds must hold ratio 1 (low <= 1 <= high): an
+    on-policy sequence is never masked. A placeholder never masks anything under any
+    band (``algorithms.off_policy``)."""
 
     tis_ratio_type: str | None = setting(None, choices=TIS_RATIO_TYPES)
     """Truncated importance sampling: "token" weighs each token's loss by
@@ -311,6 +312,13 @@ class OffPolicyCorrectionConfig:
     outlier_token_is_threshold_high: float | None = setting(None, ge=1.0)
     """Drop a whole sequence with any token whose ratio is above this; null: no upper
     bound. SkyRL's example: 100."""
+    token_mask_is_threshold_low: float | None = setting(None, gt=0.0)
+    """Drop (weight 0) each token whose own ratio is below this, keeping the rest of
+    its sequence (IcePop-style; SkyRL's key). On only with token_mask_is_threshold_high
+    (both null: off; one alone is refused, where SkyRL ignores it); must be below it."""
+    token_mask_is_threshold_high: float | None = setting(None, gt=0.0)
+    """Drop each token whose ratio is above this. The band need not hold 1 (SkyRL's
+    rule); a placeholder token is never dropped, whatever the band."""
 
 
 @dataclass

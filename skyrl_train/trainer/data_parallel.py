@@ -9,11 +9,11 @@ shard (docs/design.md §5: broadcasting every route to every rank ran hosts out 
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
 import torch
 
-from skyrl_train.algorithms.metrics import StepMetrics, reduction_of
+from skyrl_train.algorithms.metrics import MetricSums
 from skyrl_train.dataset.batch import (
     TrainingBatch,
     map_tensors,
@@ -22,9 +22,7 @@ from skyrl_train.dataset.batch import (
 )
 
 ROWS_KEY = "train/num_rows"
-"""Rows a rank trained on; the default weight of its mean-reduced metrics (summed)."""
-GROUP_WEIGHT_LEAVES = ("num_tokens", "num_token_layers")
-"""A mean metric ``g/x`` is weighted by the rank's ``g/<leaf>`` (first leaf present)."""
+"""Rows a rank trained on (summed over ranks)."""
 
 
 def mini_batch_order(batch_size: int, *, mini_batch_size: int, dp_size: int) -> torch.Tensor:
@@ -77,33 +75,16 @@ def mini_batch_token_counts(batch: TrainingBatch, *, mini_batch_size: int) -> li
     ]
 
 
-def combine_rank_metrics(per_rank: Sequence[Mapping[str, float]]) -> dict[str, float]:
-    """One metric dict from every rank's.
-
-    Reductions follow ``StepMetrics`` (``max_*`` max, ``min_*`` min, ``num_*`` sum).
-    Means are weighted: a key ``g/x`` by the rank's ``g/num_tokens`` or
-    ``g/num_token_layers`` when the rank reports one (logprob mismatch per token,
-    router agreement per token-layer, so a rank with more real tokens counts more),
-    otherwise by the rank's rows (``train/num_rows``).
-    """
-    combined = StepMetrics()
+def combine_rank_metrics(per_rank: Sequence[MetricSums]) -> dict[str, float]:
+    """One metric dict from every rank's sums: each mean's numerators and its own
+    denominators are summed over the ranks and divided once, sums add, maxima and
+    minima stay extreme, as each producer recorded them (``MetricSums``). The result
+    is the metric the whole batch would give on one rank (tests/skyrl_train/trainer/
+    test_data_parallel.py computes both and compares every key)."""
     for rank, metrics in enumerate(per_rank):
-        if ROWS_KEY not in metrics:
-            raise ValueError(f"per_rank[{rank}]: expected a {ROWS_KEY!r} entry, got none")
-        groups: dict[float, dict[str, float]] = {}
-        for key, value in metrics.items():
-            weight = _weight_of(key, metrics) if reduction_of(key) == "mean" else 1.0
-            groups.setdefault(weight, {})[key] = value
-        for weight, group in groups.items():
-            combined.update(group, weight=weight)
-    return combined.result()
-
-
-def _weight_of(key: str, metrics: Mapping[str, float]) -> float:
-    group = key.rsplit("/", 1)[0] if "/" in key else None
-    if group is not None:
-        for leaf in GROUP_WEIGHT_LEAVES:
-            weight = metrics.get(f"{group}/{leaf}")
-            if weight is not None:
-                return float(weight)
-    return float(metrics[ROWS_KEY])
+        if not isinstance(metrics, MetricSums):
+            raise ValueError(
+                f"per_rank[{rank}]: expected MetricSums (numerators and denominators), "
+                f"got {type(metrics).__name__}"
+            )
+    return MetricSums.combine(per_rank).result()

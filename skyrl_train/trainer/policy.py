@@ -23,13 +23,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from inference.models.checkpoint import inspect_checkpoint
 from skyrl_train.algorithms import (
+    MetricSums,
     OffPolicyCorrection,
-    OffPolicyStats,
     gspo_policy_loss,
     kl_penalty,
     logprob_mismatch,
@@ -161,7 +160,7 @@ class PolicyTrainer:
         *,
         step: int,
         mini_batch_tokens: Sequence[float] | None = None,
-    ) -> dict[str, float]:
+    ) -> MetricSums:
         """Old logprobs, R3 metrics and PPO updates on this rank's shard.
 
         ``batch`` holds this rank's ``1/dp`` of every global mini-batch, in order
@@ -169,6 +168,11 @@ class PolicyTrainer:
         ``step``: the GRPO step, for ``NonFiniteError``'s message.
         ``mini_batch_tokens``: loss-active tokens of each *global* mini-batch (None:
         this shard's own counts, which is the same thing on one rank).
+
+        Returns the metrics as sums (``MetricSums``: each mean's numerator and its own
+        denominator), which the driver adds over ranks and divides once
+        (``data_parallel.combine_rank_metrics``); read as a mapping they are this
+        shard's values.
 
         Raises ``NonFiniteError`` on a NaN/inf loss, grad norm or parameter, so the
         driver never pushes such weights (``finite.py``).
@@ -188,12 +192,13 @@ class PolicyTrainer:
             capture_routes=has_routes or r2,
             entropy=True,
         )
-        # num_tokens weighs each rank's policy/* means (entropy, clip fraction) when the
-        # ranks' metrics combine: both are means over the policy's own tokens.
-        metrics: dict[str, float] = {"policy/num_tokens": float(batch.loss_mask.sum())}
+        metrics = MetricSums()
+        own_tokens = float(batch.loss_mask.sum())
+        metrics.total("policy/num_tokens", own_tokens)
         if as_trained.entropy is not None:
             # Over the policy's own tokens only (loss mask), not prompt or observations.
-            metrics["policy/entropy"] = mean_token_entropy(as_trained.entropy, batch.loss_mask)
+            entropy = mean_token_entropy(as_trained.entropy, batch.loss_mask)
+            metrics.mean("policy/entropy", entropy * own_tokens, own_tokens)
         if has_routes:
             native = as_trained
             if replay:
@@ -204,21 +209,22 @@ class PolicyTrainer:
                     capture_routes=True,
                 )
             assert as_trained.routes is not None and native.routes is not None
-            trained = self.worker.rollout_router_agreement(batch, as_trained.routes)
-            metrics["r3/router_agreement_trained"] = trained.agreement
-            metrics["r3/router_agreement_native"] = self.worker.rollout_router_agreement(
-                batch, native.routes
-            ).agreement
+            for name, routes in (("trained", as_trained.routes), ("native", native.routes)):
+                got = self.worker.rollout_router_agreement(batch, routes)
+                layers = float(got.num_token_layers)
+                metrics.mean(
+                    f"r3/router_agreement_{name}", got.agreement * layers, layers, empty=1.0
+                )
             # Same mask, same batch: both agreements count the same token-layers.
-            metrics["r3/num_token_layers"] = float(trained.num_token_layers)
+            metrics.total("r3/num_token_layers", layers)
             if batch.rollout_logprobs is not None:
-                metrics.update(
+                metrics.merge(
                     logprob_mismatch(
                         native.logprobs, batch.rollout_logprobs, batch.loss_mask
                     ).to_metrics("mismatch_native")
                 )
         if batch.rollout_logprobs is not None:
-            metrics.update(
+            metrics.merge(
                 logprob_mismatch(
                     as_trained.logprobs, batch.rollout_logprobs, batch.loss_mask
                 ).to_metrics("mismatch_trained")
@@ -239,12 +245,11 @@ class PolicyTrainer:
                 ).logprobs
             # k3 KL(policy || initial policy) on the rollout's tokens, policy side as
             # trained: how far training has moved the policy.
-            metrics["policy/kl_to_ref"] = float(
-                kl_penalty(as_trained.logprobs, ref_logprobs, batch.loss_mask)
-            )
+            kl = float(kl_penalty(as_trained.logprobs, ref_logprobs, batch.loss_mask))
+            metrics.mean("policy/kl_to_ref", kl * own_tokens, own_tokens)
             if t.algorithm.use_kl_loss:
                 batch.ref_logprobs = ref_logprobs
-        metrics.update(
+        metrics.merge(
             self._update(
                 batch, replay=replay, r2=r2, mini_batch_tokens=mini_batch_tokens, step=step
             )
@@ -253,7 +258,7 @@ class PolicyTrainer:
         require_finite_weights(
             self.worker.model.named_parameters(), step=step, where=f"rank {self.info.rank}"
         )
-        metrics[ROWS_KEY] = float(batch.batch_size)
+        metrics.total(ROWS_KEY, float(batch.batch_size))
         return metrics
 
     def _update(
@@ -264,7 +269,7 @@ class PolicyTrainer:
         r2: bool,
         mini_batch_tokens: Sequence[float] | None,
         step: int,
-    ) -> dict[str, float]:
+    ) -> MetricSums:
         t, dp = self.cfg.trainer, self.info.dp_size
         mini = t.policy_mini_batch_size * self.cfg.generator.n_samples_per_prompt // dp
         micro = t.micro_train_batch_size_per_gpu
@@ -274,14 +279,14 @@ class PolicyTrainer:
         # token mean, so one rank and two ranks report the same fraction (a mean of
         # microbatch fractions over-weights short microbatches).
         clip_counts: list[tuple[float, float]] = []
-        # The off-policy correction's counts, summed over microbatches for token-weighted
-        # metrics as above. First epoch only: its weights depend on the old and rollout
+        # The off-policy correction's sums over microbatches, each metric over its own
+        # denominator. First epoch only: its weights depend on the old and rollout
         # logprobs alone, so later epochs would repeat the same counts.
-        off_policy: list[OffPolicyStats] = []
+        off_policy = MetricSums()
         # R2: (agreeing token-layers, token-layers) of every update forward with the
         # recorded routes, the proof that each mini-batch and epoch replayed them.
         r2_counts: list[tuple[float, float]] = []
-        lr = t.policy.optimizer_config.lr
+        lr: float | None = None
         skipped = 0
         for epoch in range(t.update_epochs_per_batch):
             for k, start in enumerate(range(0, batch.batch_size, mini)):
@@ -330,36 +335,41 @@ class PolicyTrainer:
                 losses.append(result.loss)
                 grad_norms.append(result.grad_norm)
                 lr = result.lr
-        metrics = {
-            "train/policy_loss": float(np.mean(losses)) if losses else 0.0,
-            "train/grad_norm": float(np.mean(grad_norms)) if grad_norms else 0.0,
-            # Weighted across ranks by policy/num_tokens (data_parallel.combine_rank_metrics).
-            "policy/clip_fraction": sum(c for c, _ in clip_counts)
-            / max(sum(n for _, n in clip_counts), 1.0),
-            "train/optimizer_steps": float(len(grad_norms)),
-            "train/skipped_optimizer_steps": float(skipped),
-            "train/lr": lr,
-        }
-        if off_policy:
-            stats = off_policy[0]
-            for more in off_policy[1:]:
-                stats = stats.merge(more)
-            metrics.update(stats.to_metrics("off_policy"))
+        metrics = MetricSums()
+        # Per rank, the mean over its optimizer steps. Every rank takes the same steps
+        # and reports the same all-reduced grad norm; its loss is its share of each
+        # mini-batch's token mean scaled by dp (see above), so summed over ranks and
+        # divided by every rank's step count it is the mini-batch token mean.
+        metrics.mean("train/policy_loss", sum(losses), len(losses))
+        metrics.mean("train/grad_norm", sum(grad_norms), len(grad_norms))
+        metrics.mean(
+            "policy/clip_fraction", sum(c for c, _ in clip_counts), sum(n for _, n in clip_counts)
+        )
+        # One value per rank, equal on every rank: a mean over ranks keeps it.
+        metrics.mean("train/optimizer_steps", float(len(grad_norms)), 1.0)
+        metrics.mean("train/skipped_optimizer_steps", float(skipped), 1.0)
+        # No step taken (a skipped flat step): the rate the next step would use, which
+        # during warm-up is not the configured peak.
+        metrics.mean("train/lr", lr if lr is not None else self.worker.scheduled_lr(), 1.0)
+        if len(off_policy):
+            metrics.merge(off_policy)
             if OffPolicyCorrection.from_algorithm_config(t.algorithm).tis_ratio_type:
-                # Kept for the readers of the old name: the token-weighted mean TIS
-                # weight of the tokens left in the loss (off_policy/weight_mean).
-                metrics["train/tis_weight_mean"] = metrics["off_policy/weight_mean"]
+                # Kept for the readers of the old name: off_policy/weight_mean, the mean
+                # TIS weight of the tokens left in the loss, over the same denominator.
+                metrics.mean("train/tis_weight_mean", *off_policy.parts("off_policy/weight_mean"))
         if r2_counts:
             layers = sum(n for _, n in r2_counts)
-            metrics["r2/router_agreement_update"] = sum(a for a, _ in r2_counts) / max(layers, 1.0)
-            metrics["r2/num_token_layers"] = layers
+            metrics.mean(
+                "r2/router_agreement_update", sum(a for a, _ in r2_counts), layers, empty=1.0
+            )
+            metrics.total("r2/num_token_layers", layers)
         return metrics
 
     def _loss_fn(
         self,
         tokens: float,
         clip_counts: list[tuple[float, float]],
-        off_policy: list[OffPolicyStats] | None,
+        off_policy: MetricSums | None,
     ) -> Any:
         """``off_policy``: where each microbatch's correction counts go (None: dropped)."""
         algo = self.cfg.trainer.algorithm
@@ -397,7 +407,7 @@ class PolicyTrainer:
             count = out.metrics["num_tokens"]
             clip_counts.append((out.metrics["clip_fraction"] * count, count))
             if out.off_policy is not None and off_policy is not None:
-                off_policy.append(out.off_policy)
+                off_policy.merge(out.off_policy.to_metrics("off_policy"))
             loss = out.loss
             # Both terms divide by the same global token count as the policy loss, so
             # the coefficients weigh token means whatever the microbatch split.
@@ -418,14 +428,15 @@ class PolicyTrainer:
         return loss_fn
 
     def score(self, batch: TrainingBatch) -> torch.Tensor | None:
-        """The current weights' logprobs ``[B, R]`` of ``batch``'s response tokens, with
-        the trainer's own routing (the served-weights check, ``served_weights.py``).
+        """The current weights' logprobs ``[B, R]`` of ``batch``'s response tokens (the
+        served-weights check, ``served_weights.py``): with the batch's routes replayed
+        when it carries the engine's, else with the trainer's own routing.
         Every rank runs it (experts and stages meet in collectives); only the last
         pipeline stage holds logprobs, the others return None."""
         logprobs = self.worker.forward(
             batch,
             micro_batch_size=self.cfg.trainer.micro_forward_batch_size_per_gpu,
-            replay_routes=False,
+            replay_routes=batch.routed_experts is not None,
             # The probe is greedy and the engine reports it under the raw logits.
             temperature=1.0,
         ).logprobs

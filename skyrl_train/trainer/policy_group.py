@@ -3,9 +3,9 @@
 The driver shards each collated batch by data-parallel rank and sends every actor only
 its own shard (one ``ray.put`` per shard); all ranks train concurrently, since they
 meet in collectives (gradient all-reduce, expert all-gather), and their metrics come
-back as one dict (``data_parallel.combine_rank_metrics``). Weight export gathers
-experts over the EP group, so every rank exports and only rank 0 pushes to the
-servers. Checkpoints hold one file per rank, written into the driver's temp folder
+back as sums that the driver adds and divides once
+(``data_parallel.combine_rank_metrics``). Weight export gathers experts over the EP
+group, so every rank exports and only rank 0 pushes to the servers. Checkpoints hold one file per rank, written into the driver's temp folder
 (``runs/checkpoint.py`` makes the folder appear whole or not at all), and the settings
 that rebuild the ranks (``RUN_CONFIG_FILE``), so ``scripts/export_hf.py`` can. Hugging
 Face exports are written the same way: rank 0 writes the weights into the driver's temp

@@ -362,6 +362,12 @@ class MegatronPolicyWorker:
         )
         return gather_routes(routers, self._pipeline, batches, got) if got is not None else None
 
+    def scheduled_lr(self) -> float:
+        """The learning rate the next optimizer step uses (warm-up included): what a
+        step that skipped every update reports as ``train/lr``."""
+        assert self.optimizer is not None
+        return self._warmed_up_lr(self.optimizer)
+
     def _warmed_up_lr(self, optimizer: torch.optim.Optimizer) -> float:
         opt = self.optimizer_config
         if opt.num_warmup_steps <= 0:

@@ -23,13 +23,13 @@ import torch
 
 from skyrl_train.algorithms import (
     MISSING_LOGPROB,
+    MetricSums,
     OffPolicyCorrection,
     OffPolicyStats,
     gspo_policy_loss,
     off_policy_weights,
     ppo_policy_loss,
 )
-from skyrl_train.algorithms.metrics import reduction_of
 
 NAN, P = math.nan, None
 RATIOS = [[3.0, 0.5, 4.0, NAN], [1.25, 0.8, 1.0, 1.1], [0.25, 100.0, P, 1.0]]
@@ -317,21 +317,27 @@ def test_bad_settings_and_arguments_raise_naming_them() -> None:
         off_policy_weights(old, rollout[:, :2], LOSS_MASK, OffPolicyCorrection())
 
 
-def test_stats_merge_and_metric_reductions() -> None:
+def test_metrics_of_parts_sum_to_the_whole_batchs() -> None:
     _, old, rollout = _batch()
-    token = OffPolicyCorrection(tis_ratio_type="token")
-    top = off_policy_weights(old[:1], rollout[:1], LOSS_MASK[:1], token).stats
-    rest = off_policy_weights(old[1:], rollout[1:], LOSS_MASK[1:], token).stats
-    whole = off_policy_weights(old, rollout, LOSS_MASK, token).stats
-    merged = top.merge(rest)
-    for name in ("num_tokens", "kept_tokens", "clipped_tokens", "placeholder_tokens"):
-        assert getattr(merged, name) == getattr(whole, name)
-    assert merged.weight_sum == pytest.approx(whole.weight_sum)
-    assert (merged.ratio_min, merged.ratio_max) == pytest.approx((0.25, 4.0))
-    # Ranks combine these keys by their leaf (StepMetrics): counts sum, extremes stay extreme.
-    assert reduction_of("off_policy/num_tokens") == "sum"
-    assert reduction_of("off_policy/min_ratio") == "min"
-    assert reduction_of("off_policy/max_ratio") == "max"
+    token = OffPolicyCorrection(tis_ratio_type="token", outlier_token_is_threshold_high=3.5)
+    top = off_policy_weights(old[:1], rollout[:1], LOSS_MASK[:1], token).stats.to_metrics()
+    rest = off_policy_weights(old[1:], rollout[1:], LOSS_MASK[1:], token).stats.to_metrics()
+    whole = off_policy_weights(old, rollout, LOSS_MASK, token).stats.to_metrics()
+    merged = MetricSums.combine([top, rest])
+    assert list(merged) == list(whole)
+    for key in whole:
+        assert merged[key] == pytest.approx(whole[key], rel=1e-6), key
+    # Counts sum and extremes stay extreme, as recorded (not read off the key's name).
+    assert merged.kind("off_policy/num_tokens") == "sum"
+    assert merged.kind("off_policy/min_ratio") == "min"
+    assert merged.kind("off_policy/max_ratio") == "max"
+    assert (merged["off_policy/min_ratio"], merged["off_policy/max_ratio"]) == pytest.approx(
+        (0.25, 4.0)
+    )
+    # Row 0 (outlier-masked) keeps no token: the weight mean is over rows 1-2's kept
+    # tokens, which a mean of part means weighted by loss tokens would halve.
+    assert top["off_policy/weight_mean"] == 0.0
+    assert merged["off_policy/weight_mean"] == pytest.approx((4.15 + 2.25) / 7)
     # No real ratio at all: no min/max rather than +-inf.
     empty = off_policy_weights(
         torch.zeros(1, 2), torch.full((1, 2), -9999.0), torch.ones(1, 2), token

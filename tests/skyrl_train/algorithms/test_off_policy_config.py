@@ -115,6 +115,8 @@ def test_fully_async_without_an_importance_weight_is_refused(correction: list[st
         (f"{C}.geo_mask_high=0.999", f"{C}.geo_mask_high"),
         (f"{C}.outlier_token_is_threshold_low=2", f"{C}.outlier_token_is_threshold_low"),
         (f"{C}.outlier_token_is_threshold_high=0.5", f"{C}.outlier_token_is_threshold_high"),
+        (f"{C}.token_mask_is_threshold_low=0", f"{C}.token_mask_is_threshold_low"),
+        (f"{C}.token_mask_is_threshold_high=-1", f"{C}.token_mask_is_threshold_high"),
     ],
 )
 def test_schema_ranges_name_the_key(override: str, key: str) -> None:
@@ -137,3 +139,42 @@ def test_settings_a_launch_accepts_build() -> None:
     got = effective_correction(cfg)
     assert got.enabled and got.tis_ratio_type == "sequence" and got.geo_mask_low == 0.9
     assert got.outlier_token_is_threshold_low == 1e-4
+
+
+@pytest.mark.parametrize(
+    ("overrides", "key", "got"),
+    [
+        # One bound alone: SkyRL ignores it (the mask needs both); refused, naming the other.
+        ([f"{C}.token_mask_is_threshold_low=0.5"], "token_mask_is_threshold_high", "null"),
+        ([f"{C}.token_mask_is_threshold_high=2"], "token_mask_is_threshold_low", "null"),
+        (
+            [f"{C}.token_mask_is_threshold_low=2", f"{C}.token_mask_is_threshold_high=2"],
+            "token_mask_is_threshold_low",
+            "2.0",
+        ),
+    ],
+)
+def test_a_token_band_with_one_bound_or_none_between_is_refused(
+    overrides: list[str], key: str, got: str
+) -> None:
+    err = _refusal(check_off_policy_correction, overrides)
+    assert err.path == f"{C}.{key}" and err.got == got
+
+
+@pytest.mark.parametrize("band", [("0.5", "2"), ("1.5", "3")], ids=["holds-1", "excludes-1"])
+def test_a_token_band_with_both_bounds_is_a_correction(band: tuple[str, str]) -> None:
+    # As in SkyRL the band need not hold 1 (placeholders are never dropped by it:
+    # test_token_mask.py); both null, the default, is no token mask.
+    low, high = band
+    cfg = load_config(
+        [f"{C}.token_mask_is_threshold_low={low}", f"{C}.token_mask_is_threshold_high={high}"]
+    )
+    check_constraints(cfg)
+    check_off_policy_correction(cfg)
+    got = effective_correction(cfg)
+    assert got.enabled and not corrects_off_policy(cfg)  # a mask weighs no token
+    assert (got.token_mask_is_threshold_low, got.token_mask_is_threshold_high) == (
+        float(low),
+        float(high),
+    )
+    assert load_config().trainer.algorithm.off_policy_correction.token_mask_is_threshold_low is None

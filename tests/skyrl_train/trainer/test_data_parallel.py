@@ -3,12 +3,19 @@ and the per-rank checkpoint checks."""
 
 from __future__ import annotations
 
+import copy
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
-from skyrl_train.dataset.batch import TrainingBatch
+from skyrl_train.algorithms import MetricSums
+from skyrl_train.algorithms.mismatch import router_agreement
+from skyrl_train.config.compose import load_config
+from skyrl_train.dataset.batch import TrainingBatch, slice_batch
 from skyrl_train.errors import CheckpointError, ConfigValidationError
 from skyrl_train.runs.rank_state import checkpoint_file, load_rank_state, save_rank_state
 from skyrl_train.trainer.data_parallel import (
@@ -17,6 +24,8 @@ from skyrl_train.trainer.data_parallel import (
     mini_batch_token_counts,
     shard_mini_batches,
 )
+from skyrl_train.trainer.policy import PolicyTrainer, RankInfo
+from skyrl_train.workers.megatron.worker import ForwardResult, TrainStepResult
 
 
 def _batch(rows: int, *, seq: int = 6, actions: int = 3, layers: int = 2, k: int = 2):
@@ -93,56 +102,30 @@ def test_token_counts_and_shards_follow_the_loss_rows() -> None:
             assert keep == bool(full.loss_rows[row])
 
 
-def test_combine_weights_means_by_rows_tokens_and_token_layers() -> None:
-    rank0 = {
-        "train/num_rows": 2.0,
-        "train/policy_loss": 1.0,
-        "mismatch_trained/mean_abs_logp_diff": 0.5,
-        "mismatch_trained/max_abs_logp_diff": 2.0,
-        "mismatch_trained/num_tokens": 10.0,
-        "r3/router_agreement_native": 0.9,
-        "r3/router_agreement_trained": 1.0,
-        "r3/num_token_layers": 40.0,
+def test_combine_sums_each_mean_over_its_own_denominator() -> None:
+    # The issue's case: rank 0 keeps 2 of its 10 tokens at weight 1.05, rank 1 (its
+    # sequences masked) keeps none of its 10. Weighted by loss tokens the ranks' means
+    # gave 0.525; the whole batch's weight mean is 1.05.
+    ranks = []
+    for kept, weight_sum in ((2.0, 2.1), (0.0, 0.0)):
+        m = MetricSums()
+        m.total("train/num_rows", 4.0)
+        m.total("off_policy/num_tokens", 10.0)
+        m.mean("off_policy/weight_mean", weight_sum, kept)
+        m.maximum("mismatch_trained/max_abs_logp_diff", 2.0 + kept)
+        ranks.append(m)
+    assert combine_rank_metrics(ranks) == {
+        "mismatch_trained/max_abs_logp_diff": 4.0,
+        "off_policy/num_tokens": 20.0,
+        "off_policy/weight_mean": pytest.approx(1.05),
+        "train/num_rows": 8.0,
     }
-    rank1 = {
-        "train/num_rows": 6.0,
-        "train/policy_loss": 3.0,
-        "mismatch_trained/mean_abs_logp_diff": 0.1,
-        "mismatch_trained/max_abs_logp_diff": 3.0,
-        "mismatch_trained/num_tokens": 30.0,
-        "r3/router_agreement_native": 0.5,
-        "r3/router_agreement_trained": 1.0,
-        "r3/num_token_layers": 120.0,
-    }
-    got = combine_rank_metrics([rank0, rank1])
-    assert got["train/num_rows"] == 8.0
-    assert got["train/policy_loss"] == pytest.approx((2 * 1.0 + 6 * 3.0) / 8)
-    assert got["mismatch_trained/mean_abs_logp_diff"] == pytest.approx((10 * 0.5 + 30 * 0.1) / 40)
-    assert got["mismatch_trained/max_abs_logp_diff"] == 3.0
-    assert got["mismatch_trained/num_tokens"] == 40.0
-    assert got["r3/router_agreement_native"] == pytest.approx((40 * 0.9 + 120 * 0.5) / 160)
-    assert got["r3/router_agreement_trained"] == 1.0
-    assert got["r3/num_token_layers"] == 160.0
 
 
-def test_combine_with_no_tokens_anywhere_is_a_plain_mean() -> None:
-    ranks = [
-        {"train/num_rows": 1.0, "mismatch_trained/k3_kl": 0.0, "mismatch_trained/num_tokens": 0.0},
-        {"train/num_rows": 1.0, "mismatch_trained/k3_kl": 0.0, "mismatch_trained/num_tokens": 0.0},
-    ]
-    assert combine_rank_metrics(ranks)["mismatch_trained/k3_kl"] == 0.0
-
-
-def test_one_rank_passes_through() -> None:
-    metrics = {"train/num_rows": 4.0, "train/grad_norm": 0.25, "r3/router_agreement_trained": 1.0}
-    assert combine_rank_metrics([metrics]) == metrics
-
-
-def test_combine_refuses_a_rank_without_rows_and_non_finite_values() -> None:
-    with pytest.raises(ValueError, match=r"^per_rank\[1\]: expected a 'train/num_rows'"):
-        combine_rank_metrics([{"train/num_rows": 1.0}, {"train/policy_loss": 1.0}])
-    with pytest.raises(ValueError, match="train/policy_loss"):
-        combine_rank_metrics([{"train/num_rows": 1.0, "train/policy_loss": float("nan")}])
+def test_combine_refuses_plain_dicts() -> None:
+    # A plain dict no longer says what its means were divided by.
+    with pytest.raises(ValueError, match=r"^per_rank\[0\]: expected MetricSums"):
+        combine_rank_metrics([{"train/num_rows": 1.0}])  # type: ignore[list-item]
 
 
 def test_checkpoint_of_a_missing_rank_or_other_world_size_is_refused(tmp_path: Path) -> None:
@@ -153,3 +136,175 @@ def test_checkpoint_of_a_missing_rank_or_other_world_size_is_refused(tmp_path: P
     with pytest.raises(ConfigValidationError, match="world size 2") as info:
         load_rank_state(tmp_path, rank=0, world_size=1)
     assert info.value.path == "trainer.placement.num_trainers"
+
+
+# ---- one rank on the whole batch == two ranks on its halves, every metric key ---------
+
+PROMPTS, SAMPLES, MINI_PROMPTS, WIDTH, PROMPT_LEN, LAYERS, K = 4, 2, 2, 5, 3, 2, 2
+ROWS = PROMPTS * SAMPLES
+
+
+class RowTableWorker:
+    """A stand-in for ``MegatronPolicyWorker`` (its forward/train_step contract) whose
+    every output is a table indexed by row id (``sequences[:, 0]``), so a row gives the
+    same numbers on whichever rank it lands: logprobs (old, current, reference),
+    entropy, and the routes a replayed and a native forward dispatch. ``train_step``
+    calls the loss on microbatches of ``micro_batch_size`` rows and returns the mean of
+    their losses, as the real worker does; its grad norm is a constant, since the real
+    one is all-reduced and the same on every rank."""
+
+    def __init__(self, tables: dict[str, torch.Tensor]) -> None:
+        self.tables = tables
+        self.old = tables["old"]
+        self.model = torch.nn.Linear(1, 1)
+
+    def forward(
+        self,
+        batch: TrainingBatch,
+        *,
+        replay_routes: bool = False,
+        capture_routes: bool = False,
+        entropy: bool = False,
+        **options: object,
+    ) -> ForwardResult:
+        rows = batch.sequences[:, 0]
+        routes = self.tables["trained_routes" if replay_routes else "native_routes"][rows]
+        return ForwardResult(
+            logprobs=self.old[rows] * batch.response_mask,
+            routes=routes if capture_routes else None,
+            entropy=self.tables["entropy"][rows] * batch.response_mask if entropy else None,
+        )
+
+    def rollout_router_agreement(self, batch: TrainingBatch, routes: torch.Tensor) -> Any:
+        assert batch.routed_experts is not None
+        return router_agreement(routes, batch.routed_experts, ~batch.attention_mask.bool())
+
+    @contextmanager
+    def swapped_weights(self, weights: dict[str, torch.Tensor]) -> Iterator[None]:
+        own, self.old = self.old, weights["table"]
+        try:
+            yield
+        finally:
+            self.old = own
+
+    def train_step(
+        self, batch: TrainingBatch, *, loss_fn: Any, micro_batch_size: int, **options: Any
+    ) -> TrainStepResult:
+        starts = range(0, batch.batch_size, micro_batch_size)
+        losses = []
+        for start in starts:
+            mb = slice_batch(batch, start, min(start + micro_batch_size, batch.batch_size))
+            rows = mb.sequences[:, 0]
+            logprobs = self.tables["current"][rows] * mb.response_mask
+            # The entropy bonus's per-token entropy, when the trainer asks for it.
+            extra = [self.tables["entropy"][rows] * mb.response_mask] if options["entropy"] else []
+            losses.append(float(loss_fn(logprobs, mb, *extra)))
+        return TrainStepResult(
+            loss=sum(losses) / len(losses),
+            grad_norm=0.5,
+            num_microbatches=len(starts),
+            replayed=True,
+            lr=1e-3,
+        )
+
+    def scheduled_lr(self) -> float:
+        return 1e-3
+
+
+def _uneven_batch(generator: torch.Generator) -> tuple[TrainingBatch, dict[str, torch.Tensor]]:
+    # Rank 0 trains rows 0, 1, 4, 5 (mini_batch_order): 1-2 response tokens each; rank 1
+    # rows 2, 3, 6, 7: 4-5 tokens, one of them an observation (loss mask 0). Rows 2-3 are
+    # a flat group left out of the loss (loss_rows), and 3 rollout logprobs are the
+    # engine's placeholder, all on rank 1.
+    lengths = [1, 2, 5, 4, 2, 1, 5, 5]
+    seq = PROMPT_LEN + WIDTH
+    response = torch.zeros(ROWS, WIDTH, dtype=torch.int64)
+    for r, n in enumerate(lengths):
+        response[r, :n] = 1
+    loss_mask = response.clone()
+    loss_mask[[2, 6, 7], 1] = 0
+    attention = torch.cat([torch.ones(ROWS, PROMPT_LEN, dtype=torch.int64), response], dim=1)
+    sequences = torch.ones(ROWS, seq, dtype=torch.int64)
+    sequences[:, 0] = torch.arange(ROWS)
+    old = -torch.rand(ROWS, WIDTH, generator=generator) * 2 - 0.1
+    # Ratios exp(old - rollout) from about 0.2 to 5: some tokens outside the band below.
+    rollout = old - torch.randn(ROWS, WIDTH, generator=generator) * 0.8
+    rollout[3, 2] = rollout[6, 0] = rollout[7, 4] = -9999.0
+    routes = torch.randint(0, 6, (ROWS, seq, LAYERS, K), generator=generator)
+    flips = torch.rand(ROWS, seq, LAYERS, 1, generator=generator)
+    tables = {
+        "old": old,
+        "current": old + torch.randn(ROWS, WIDTH, generator=generator) * 0.3,
+        "reference": old + torch.randn(ROWS, WIDTH, generator=generator) * 0.5,
+        "entropy": torch.rand(ROWS, WIDTH, generator=generator) * 3,
+        "trained_routes": torch.where(flips < 0.05, (routes + 1) % 6, routes),
+        "native_routes": torch.where(flips < 0.3, (routes + 1) % 6, routes),
+    }
+    batch = TrainingBatch(
+        sequences=sequences,
+        attention_mask=attention,
+        response_mask=response,
+        loss_mask=loss_mask,
+        rewards=torch.zeros(ROWS),
+        token_rewards=torch.zeros(ROWS, WIDTH),
+        rollout_logprobs=rollout,
+        routed_experts=routes,
+        router_padding_mask=~attention.bool(),
+        advantages=torch.randn(ROWS, 1, generator=generator) * loss_mask,
+        loss_rows=torch.tensor([True, True, False, False, True, True, True, True]),
+    )
+    return batch, tables
+
+
+def _rank(tmp_path: Path, tables: dict[str, torch.Tensor], dp_rank: int, dp: int) -> Any:
+    cfg = load_config(
+        [
+            f"trainer.run_dir={tmp_path}",
+            f"trainer.train_batch_size={PROMPTS}",
+            f"trainer.policy_mini_batch_size={MINI_PROMPTS}",
+            "trainer.micro_train_batch_size_per_gpu=1",
+            "trainer.update_epochs_per_batch=2",
+            f"generator.n_samples_per_prompt={SAMPLES}",
+            "trainer.algorithm.use_kl_loss=true",
+            "trainer.algorithm.off_policy_correction.tis_ratio_type=token",
+            "trainer.algorithm.off_policy_correction.outlier_token_is_threshold_high=4.5",
+            "trainer.algorithm.off_policy_correction.token_mask_is_threshold_low=0.4",
+            "trainer.algorithm.off_policy_correction.token_mask_is_threshold_high=3.0",
+        ]
+    )
+    trainer = PolicyTrainer(cfg, checkpoint=str(tmp_path), pad_token_id=0)
+    trainer.worker = RowTableWorker(tables)  # type: ignore[assignment]
+    trainer.reference = {"table": tables["reference"]}
+    trainer.info = RankInfo(rank=dp_rank, world_size=dp, dp_rank=dp_rank, dp_size=dp, ep_size=1)
+    return trainer
+
+
+def test_two_ranks_with_uneven_masks_combine_to_the_whole_batchs_metrics(tmp_path: Path) -> None:
+    batch, tables = _uneven_batch(torch.Generator().manual_seed(0))
+    whole = _rank(tmp_path, tables, 0, 1).train(copy.deepcopy(batch), step=1)
+
+    mini = MINI_PROMPTS * SAMPLES
+    shards = shard_mini_batches(batch, mini_batch_size=mini, dp_size=2)
+    tokens = mini_batch_token_counts(batch, mini_batch_size=mini)
+    per_rank = [
+        _rank(tmp_path, tables, r, 2).train(shard, step=1, mini_batch_tokens=tokens)
+        for r, shard in enumerate(shards)
+    ]
+    combined = combine_rank_metrics(per_rank)
+
+    expected = dict(whole)
+    assert sorted(combined) == sorted(expected)
+    for key, value in expected.items():
+        assert combined[key] == pytest.approx(value, rel=1e-5, abs=1e-7), key
+    # The batch is uneven where it matters: the ranks' own values differ, and each
+    # family of metrics is present (R3, mismatch, KL, entropy, off-policy, loss).
+    rank0, rank1 = per_rank
+    for key in ("off_policy/weight_mean", "train/tis_weight_mean", "policy/clip_fraction"):
+        assert rank0[key] != pytest.approx(rank1[key]), key
+    assert rank0["off_policy/num_tokens"] < rank1["off_policy/num_tokens"]
+    assert (
+        rank1["off_policy/placeholder_token_frac"] > 0 == rank0["off_policy/placeholder_token_frac"]
+    )
+    assert 0 < expected["off_policy/token_mask_frac"] < 1
+    for prefix in ("r3/", "mismatch_native/", "mismatch_trained/", "policy/kl_to_ref"):
+        assert any(key.startswith(prefix) for key in expected), prefix

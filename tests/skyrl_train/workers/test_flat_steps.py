@@ -62,7 +62,9 @@ def test_loss_rows_refuse_a_batch_that_is_not_whole_groups() -> None:
         _rows([0.0, 1.0, 0.0])
 
 
-def _trainer(tmp_path: Path, *overrides: str) -> PolicyTrainer:
+def _trainer(
+    tmp_path: Path, *overrides: str, optimizer: OptimizerConfig | None = None
+) -> PolicyTrainer:
     torch.set_num_threads(1)
     cfg = load_config(
         [
@@ -81,7 +83,7 @@ def _trainer(tmp_path: Path, *overrides: str) -> PolicyTrainer:
     trainer.worker = MegatronPolicyWorker(
         CFG.architecture(),
         cfg.trainer.policy.megatron_config,
-        optimizer=OptimizerConfig(lr=1e-2),
+        optimizer=optimizer or OptimizerConfig(lr=1e-2),
         pad_token_id=PAD_ID,
     ).setup()
     return trainer
@@ -160,3 +162,19 @@ def test_the_filter_trains_only_the_varying_groups_tokens(tmp_path: Path) -> Non
     assert metrics["train/skipped_optimizer_steps"] == 1.0
     # Entropy and the other metrics still describe every row's tokens.
     assert metrics["policy/num_tokens"] == float(batch.loss_mask.sum())
+
+
+def test_a_skipped_step_logs_the_rate_the_optimizer_would_use(tmp_path: Path) -> None:
+    # Warm-up over 100 optimizer steps to a peak of 1e-5: the first step uses 1e-7. A
+    # flat first step takes none and logged the peak, 1e-5 (issue 38).
+    warmup = OptimizerConfig(lr=1e-5, num_warmup_steps=100)
+    trainer = _trainer(tmp_path, optimizer=warmup)
+    flat = trainer.train(_batch(trainer, FLAT), step=1)
+    assert flat["train/optimizer_steps"] == 0.0
+    assert flat["train/lr"] == pytest.approx(1e-7)
+    # Two optimizer steps (1e-7, 2e-7): the step logs the last rate it used ...
+    moved = trainer.train(_batch(trainer, VARYING), step=2)
+    assert moved["train/optimizer_steps"] == 2.0
+    assert moved["train/lr"] == pytest.approx(2e-7)
+    # ... and the next flat step the one the third would use.
+    assert trainer.train(_batch(trainer, FLAT), step=3)["train/lr"] == pytest.approx(3e-7)
