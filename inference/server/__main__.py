@@ -1,6 +1,7 @@
 """``python -m inference.server``: serve a CPU MoE engine over HTTP until interrupted.
 
     python -m inference.server --checkpoint DIR [--port 0] [--api-key-env NAME]
+        [--max-sample-support-k K]
 
 ``--checkpoint`` names a Qwen3-MoE, Qwen2-MoE, OLMoE or Mixtral checkpoint folder (for a
 tiny one: ``scripts/make_checkpoint.py``); it is checked before the model loads. Without
@@ -57,6 +58,14 @@ def parse_args(argv: list[str] | None = None) -> tuple[EngineSpec, ServerConfig]
     parser.add_argument("--max-request-bytes", type=int, default=defaults.max_request_bytes)
     parser.add_argument("--max-new-tokens", type=int, default=defaults.max_new_tokens)
     parser.add_argument("--max-model-len", type=int, default=defaults.max_model_len)
+    parser.add_argument(
+        "--max-sample-support-k",
+        type=int,
+        default=defaults.max_sample_support_k,
+        help="the widest kept set a request may ask for (return_sample_support); a "
+        "trainer's top-p cut asks for up to its generator.max_sample_support_k, top-k "
+        "for k (reported on /health as limits.max_sample_support_k)",
+    )
     parser.add_argument("--keepalive-timeout-s", type=float, default=defaults.keepalive_timeout_s)
     parser.add_argument(
         "--request-read-timeout-s", type=float, default=defaults.request_read_timeout_s
@@ -106,6 +115,11 @@ def parse_args(argv: list[str] | None = None) -> tuple[EngineSpec, ServerConfig]
             max_request_bytes=args.max_request_bytes,
             max_new_tokens=args.max_new_tokens,
             max_model_len=args.max_model_len,
+            max_sample_support_k=args.max_sample_support_k,
+            # A cap below the default k lowers it: the default has no flag of its own.
+            default_sample_support_k=min(
+                defaults.default_sample_support_k, max(args.max_sample_support_k, 1)
+            ),
             keepalive_timeout_s=args.keepalive_timeout_s,
             request_read_timeout_s=args.request_read_timeout_s,
             weight_read_timeout_s=args.weight_read_timeout_s,

@@ -63,7 +63,8 @@ Routes
     ``inference.server.weights_upload``.
 ``GET /health``
     ``{"status": "ok", "model", "policy_version": int | null, "engine": {...},
-    "counters": {...}}``; needs no token.
+    "limits": {"max_new_tokens", "max_model_len", "max_sample_support_k",
+    "default_sample_support_k"}, "counters": {...}}``; needs no token.
 
 Every error is ``{"error": {"message", "type", "field"?}}`` with a 4xx/5xx status; a
 request that fails validation names its field (expected, got) and the server keeps
@@ -118,6 +119,13 @@ SKYRL_GENERATE = "/skyrl/v1/generate"
 PLAIN_GENERATE = "/inference/v1/generate"
 UPDATE_WEIGHTS = "/skyrl/v1/update_weights"
 HEALTH = "/health"
+HEALTH_LIMITS = (
+    "max_new_tokens",
+    "max_model_len",
+    "max_sample_support_k",
+    "default_sample_support_k",
+)
+"""The ``RequestLimits`` fields ``/health`` reports under ``limits``."""
 
 
 @dataclass
@@ -381,11 +389,16 @@ async def _update_weights(request: web.Request) -> web.Response:
 
 async def _health(request: web.Request) -> web.Response:
     app = request.app
+    limits = app[_LIMITS]
     document = {
         "status": "ok",
-        "model": app[_LIMITS].model_name,
+        "model": limits.model_name,
         "policy_version": engine_policy_version(app[_ENGINE]),
         "engine": dataclasses.asdict(app[_ENGINE].info),
+        # What a request may ask for: a trainer's launch reads max_sample_support_k to
+        # refuse, before Ray starts, a top-k / top-p cut every request would be refused
+        # for (skyrl_train/config/remote_servers.py).
+        "limits": {name: getattr(limits, name) for name in HEALTH_LIMITS},
         "counters": dataclasses.asdict(app[_COUNTERS]),
     }
     return web.Response(body=orjson.dumps(document), content_type="application/json")

@@ -27,6 +27,7 @@ from skyrl_train.algorithms.advantages import GROUPED_ESTIMATORS
 from skyrl_train.config.constraints import check_constraints, check_value
 from skyrl_train.config.model_source import model_architecture
 from skyrl_train.config.off_policy import check_fully_async_correction, check_off_policy_correction
+from skyrl_train.config.remote_servers import check_remote_support_cap
 from skyrl_train.config.sampler_replay import check_sampler_replay
 from skyrl_train.config.schema import (
     DATA_SUFFIXES,
@@ -67,7 +68,9 @@ def validate_cfg(cfg: PPOConfig | Mapping[str, Any], *, evaluation: bool = False
     which trains nothing and writes only ``eval.json`` and its log into
     ``trainer.run_dir``: the run folder rules (``runs.folder``) do not apply, so a
     training run's folder is a fine place, and ``trainer.resume_from`` must be null
-    (the command scores ``model.path``, never a trainer checkpoint).
+    (the command scores ``model.path``, never a trainer checkpoint). Nor do the rules
+    for scoring rollouts in the trainer (``sampler_replay``: greedy sampling, a trainer
+    temperature, kept sets) or the remote servers' kept-set cap.
     """
     if not isinstance(cfg, PPOConfig):
         from skyrl_train.config.compose import parse_config
@@ -80,7 +83,10 @@ def validate_cfg(cfg: PPOConfig | Mapping[str, Any], *, evaluation: bool = False
     _check_routing_replay(cfg)
     arch = _check_model(cfg.model)
     _check_generator(cfg, arch)
-    check_sampler_replay(cfg, arch)
+    if not evaluation:
+        # Rules for scoring rollouts in the trainer (temperature 0, a trainer
+        # temperature, kept sets); an evaluation trains nothing and asks for no kept set.
+        check_sampler_replay(cfg, arch)
     _check_vllm_model(cfg, arch, build)
     _check_environment(cfg)
     _check_data(cfg)
@@ -88,6 +94,8 @@ def validate_cfg(cfg: PPOConfig | Mapping[str, Any], *, evaluation: bool = False
     _check_megatron(cfg, arch, cfg.trainer.policy.megatron_config, "trainer.policy.megatron_config")
     _check_batch_sizes(cfg)
     check_trackers(cfg.logging.trackers)
+    if not evaluation:
+        check_remote_support_cap(cfg, arch)  # last: it asks remote servers
 
 
 PROVEN_VPP_WITH_REPLAY = frozenset({(2, 2)})
@@ -573,23 +581,29 @@ def _check_generator(cfg: PPOConfig, arch: MoEArchitecture) -> None:
             expected=f"<= the model's max_position_embeddings ({arch.max_position_embeddings})",
             got=str(gen.max_response_tokens),
         )
-    check_sampling_params(gen.sampling_params, "generator.sampling_params")
-    check_sampling_params(gen.eval_sampling_params, "generator.eval_sampling_params")
+    vocab = arch.vocab_size  # a top_k above it is refused by every server
+    check_sampling_params(gen.sampling_params, "generator.sampling_params", vocab_size=vocab)
+    check_sampling_params(
+        gen.eval_sampling_params, "generator.eval_sampling_params", vocab_size=vocab
+    )
     if not gen.inference_engine.host:
         raise ConfigValidationError("generator.inference_engine.host", expected="a host", got="''")
 
 
-def check_sampling_params(sp: SamplingParamsConfig, prefix: str) -> None:
+def check_sampling_params(
+    sp: SamplingParamsConfig, prefix: str, *, vocab_size: int | None = None
+) -> None:
     """The inference servers' own sampling rules, raised as config errors on
     ``prefix.<key>``, so a launch cannot start with values every request would then be
-    refused for (and the rules live once, with the engine)."""
+    refused for (and the rules live once, with the engine); ``vocab_size``: the
+    model's, the most a ``top_k`` may be."""
     from inference.engine.base import check_temperature, check_top_k, check_top_p
     from inference.errors import RequestValidationError
 
     try:
         check_temperature(sp.temperature, field=f"{prefix}.temperature")
         check_top_p(sp.top_p, field=f"{prefix}.top_p")
-        check_top_k(sp.top_k, field=f"{prefix}.top_k")
+        check_top_k(sp.top_k, field=f"{prefix}.top_k", vocab_size=vocab_size)
     except RequestValidationError as exc:
         raise ConfigValidationError(exc.path, expected=exc.expected, got=repr(exc.got)) from None
 

@@ -37,6 +37,7 @@ def test_cli_prints_url_serves_and_stops_on_sigterm(kind: str, tiny_checkpoints)
         [
             sys.executable, "-m", "inference.server",
             "--host", "127.0.0.1", "--port", "0", "--api-key-env", "R3_TEST_KEY",
+            "--max-sample-support-k", "300",
             *_model_args(kind, tiny_checkpoints),
         ],
         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -51,14 +52,24 @@ def test_cli_prints_url_serves_and_stops_on_sigterm(kind: str, tiny_checkpoints)
 
         async def main():
             async with RemoteGenerateClient(url, api_key="cli-token") as client:
-                return await client.generate(
+                routed = await client.generate(
                     prompt_token_ids=[10, 20, 30],
                     sampling_params={"max_tokens": 2, "temperature": 0.0},
                     return_routed_experts=True,
                 )
+                # Wider than the default cap of 64: refused without the flag.
+                wide = await client.generate(
+                    prompt_token_ids=[10, 20, 30],
+                    sampling_params={"max_tokens": 2, "top_p": 0.999},
+                    return_sample_support=200,
+                )
+                return routed, wide, await client.health()
 
-        result = asyncio.run(main())
+        result, wide, health = asyncio.run(main())
         assert result.routed_experts.shape[1] == 2  # the model arguments reached the engine
+        assert wide.sample_support_ids.shape == (2, 200)
+        assert health["limits"]["max_sample_support_k"] == 300
+        assert health["limits"]["default_sample_support_k"] == 8
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=30) == 0
         assert process.stdout.readline().strip() == "stopped"
@@ -105,6 +116,23 @@ def test_cli_arguments_map_to_the_configs(monkeypatch: pytest.MonkeyPatch) -> No
     # Batch-invariant generation by default; --no-batch-invariant runs the stock forward.
     assert engine.batch_invariant is True
     assert parse_args(["--no-batch-invariant"])[0].batch_invariant is False
+
+
+def test_cli_sample_support_cap_defaults_to_64_and_has_a_flag() -> None:
+    _, server = parse_args([])
+    assert (server.max_sample_support_k, server.default_sample_support_k) == (64, 8)
+    _, server = parse_args(["--max-sample-support-k", "512"])
+    assert (server.max_sample_support_k, server.default_sample_support_k) == (512, 8)
+    # A cap below the default k lowers the default (it has no flag of its own).
+    _, server = parse_args(["--max-sample-support-k", "4"])
+    assert (server.max_sample_support_k, server.default_sample_support_k) == (4, 4)
+
+
+def test_cli_refuses_a_sample_support_cap_below_one(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        parse_args(["--max-sample-support-k", "0"])
+    assert info.value.code == 2
+    assert "max_sample_support_k: expected an int >= 1, got 0" in capsys.readouterr().err
 
 
 def test_cli_checkpoint_maps_to_the_spec(tiny_checkpoints) -> None:

@@ -97,6 +97,8 @@ class QuizEngine:
     later ones a wrong reply (all of a row's samples go to one server). Records every
     request's question and seed."""
 
+    supported_logprobs_modes = ("raw_logprobs", "processed_logprobs")
+
     def __init__(self, right: dict[int, int]) -> None:
         self.tokenizer = build_byte_tokenizer()
         self.right = right
@@ -281,3 +283,25 @@ def test_a_training_run_folder_is_accepted_and_resume_from_refused(tmp_path: Pat
     cfg = load_config([f"trainer.run_dir={run_dir}", "trainer.resume_from=latest"])
     with pytest.raises(ConfigValidationError, match=r"^trainer\.resume_from: expected null"):
         validate_cfg(cfg, evaluation=True)
+
+
+def test_greedy_evaluation_is_not_held_to_training_sampling_rules(
+    tmp_path: Path, engines: list[QuizEngine]
+) -> None:
+    # Each of these refuses a training launch (sampler replay's rules); greedy with an
+    # explicit trainer temperature is what a training config's evaluation often carries.
+    data = rows_file(tmp_path / "quiz.jsonl", [0, 1, 2])
+    cfg = config(
+        tmp_path,
+        [data],
+        "generator.sampling_params.temperature=0",
+        "generator.eval_sampling_params.temperature=0",
+        "generator.eval_n_samples_per_prompt=1",
+        "trainer.algorithm.temperature=0.5",
+    )
+    with pytest.raises(ConfigValidationError, match=r"^generator\.sampling_params\.temperature"):
+        validate_cfg(cfg)
+    report = evaluate_module.run(cfg)
+    assert report["eval_sampling_params"]["temperature"] == 0.0
+    assert report["overall"]["rows"] == 3 and report["n_samples_per_prompt"] == 1
+    assert (tmp_path / "eval" / "eval.json").is_file()
