@@ -8,6 +8,7 @@ Ratios r = exp(old - rollout) with old = 0, so rollout = -log r.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 import torch
@@ -15,13 +16,15 @@ import torch
 from skyrl_train.algorithms import (
     MISSING_LOGPROB,
     OffPolicyCorrection,
+    OffPolicyWeights,
+    PolicyLossOutput,
     gspo_policy_loss,
     off_policy_weights,
     ppo_policy_loss,
 )
 
 P = None  # the engine's placeholder logprob
-BAND = {"token_mask_is_threshold_low": 0.5, "token_mask_is_threshold_high": 2.0}
+BAND: dict[str, Any] = {"token_mask_is_threshold_low": 0.5, "token_mask_is_threshold_high": 2.0}
 
 
 def _rollout(ratios: list[list[float | None]]) -> torch.Tensor:
@@ -30,7 +33,9 @@ def _rollout(ratios: list[list[float | None]]) -> torch.Tensor:
     )
 
 
-def _weights(ratios, mask=None, **settings):  # type: ignore[no-untyped-def]
+def _weights(
+    ratios: list[list[float | None]], *, mask: list[list[int]] | None = None, **settings: Any
+) -> OffPolicyWeights:
     rollout = _rollout(ratios)
     loss_mask = torch.ones_like(rollout) if mask is None else torch.tensor(mask)
     return off_policy_weights(
@@ -38,12 +43,12 @@ def _weights(ratios, mask=None, **settings):  # type: ignore[no-untyped-def]
     )
 
 
-def _kept(got) -> list[list[float]]:  # type: ignore[no-untyped-def]
+def _kept(got: OffPolicyWeights) -> list[list[float]]:
     """1 where a loss-active token stays in the loss (weight > 0, no TIS here)."""
     return (got.weights > 0).float().tolist()
 
 
-# ---- SkyRL's cases (tests/.../test_ppo_utils.py, compute_token_mask), rewritten -------
+# ---- SkyRL's cases for its compute_token_mask, rewritten -------------------------------
 
 
 def test_every_ratio_inside_the_band_masks_nothing() -> None:
@@ -111,7 +116,7 @@ def test_the_mask_alone_is_a_correction_and_changes_the_loss() -> None:
          "token_mask_is_threshold_high"),
     ],
 )  # fmt: skip
-def test_one_bound_or_an_empty_band_is_refused(settings: dict[str, float], field: str) -> None:
+def test_one_bound_or_an_empty_band_is_refused(settings: dict[str, Any], field: str) -> None:
     # SkyRL turns the mask on only with both bounds and ignores one alone; a bound that
     # would silently do nothing is refused here instead.
     with pytest.raises(ValueError, match=f"^{field}:"):
@@ -129,13 +134,16 @@ def test_one_bound_or_an_empty_band_is_refused(settings: dict[str, float], field
 # Band [0.4, 3]: row 0's 4.0 and row 1's 0.1 are dropped; 5 real tokens and the
 # placeholder stay.
 
-HAND = [[1.0, 4.0, 0.5, P], [1.2, 0.1, 1.5, 100.0]]
+HAND: list[list[float | None]] = [[1.0, 4.0, 0.5, P], [1.2, 0.1, 1.5, 100.0]]
 HAND_MASK = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0]])
 HAND_ADV = torch.tensor([[1.0] * 4, [2.0] * 4])
-HAND_BAND = {"token_mask_is_threshold_low": 0.4, "token_mask_is_threshold_high": 3.0}
+HAND_BAND: dict[str, Any] = {
+    "token_mask_is_threshold_low": 0.4,
+    "token_mask_is_threshold_high": 3.0,
+}
 
 
-def _hand_loss(loss_type: str, **settings: object):  # type: ignore[no-untyped-def]
+def _hand_loss(loss_type: str, **settings: Any) -> PolicyLossOutput:
     rollout = _rollout(HAND)
     old = torch.zeros(2, 4)
     loss = {"regular": ppo_policy_loss, "gspo": gspo_policy_loss}[loss_type]
@@ -207,8 +215,8 @@ def test_the_outlier_mask_comes_first_and_shrinks_what_the_band_judges(loss_type
 # Row 0: one real ratio 2 and two placeholders; row 1: placeholders only. Every band
 # below is [1.5, 3]: it excludes 1, the value a placeholder's ratio is taken as, so
 # only a rule of its own keeps the placeholder (and row 1) in.
-PLACEHOLDER_ROWS = [[2.0, P, P], [P, P, P]]
-BANDS_WITHOUT_ONE = {
+PLACEHOLDER_ROWS: list[list[float | None]] = [[2.0, P, P], [P, P, P]]
+BANDS_WITHOUT_ONE: dict[str, dict[str, Any]] = {
     "outlier": {"outlier_token_is_threshold_low": 1.5, "outlier_token_is_threshold_high": 3.0},
     "token": {"token_mask_is_threshold_low": 1.5, "token_mask_is_threshold_high": 3.0},
     "product": {"sequence_mask_metric": "product", "product_mask_low": 1.5,
