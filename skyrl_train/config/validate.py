@@ -38,7 +38,7 @@ from skyrl_train.config.schema import (
     SamplingParamsConfig,
 )
 from skyrl_train.errors import ConfigValidationError
-from skyrl_train.runs.folder import LATEST, check_run_dir
+from skyrl_train.runs.folder import LATEST, check_run_dir, check_run_dir_path
 from skyrl_train.utils.tracking import check_trackers
 
 # TransformerConfig fields the pipeline sets itself. Setting them in
@@ -625,6 +625,7 @@ def _check_trainer(cfg: PPOConfig, *, evaluation: bool) -> None:
             expected=f"an existing checkpoint folder or {LATEST!r}",
             got=repr(tr.resume_from),
         )
+    check_run_dir_path(tr.run_dir)  # evaluations write there too
     # A second run in one folder overwrites the first one's same-step checkpoints,
     # prunes its others and purges its TensorBoard events; resuming below later
     # checkpoints deletes them too. Both are refused here (runs.folder).

@@ -28,6 +28,7 @@ from skyrl_train.errors import ConfigValidationError
 from skyrl_train.utils.logs import console_logging, job_log
 
 if TYPE_CHECKING:
+    from skyrl_train.runs.claim import RunDirClaim
     from skyrl_train.trainer.engines import Engines
 
 # Named, not __name__: run as ``python -m`` this module is ``__main__``, and the console
@@ -66,14 +67,24 @@ class Job:
 @contextlib.contextmanager
 def launch(cfg: PPOConfig) -> Iterator[Job]:
     """Start (or join) Ray and place every actor; on exit stop and remove them all."""
+    from skyrl_train.runs.claim import hold_run_dir
+
+    validate_cfg(cfg)
+    # The run folder is held from here to the run's end, before any work (datasets,
+    # checkpoint hashes): a second launch into it is refused now, naming this one.
+    with hold_run_dir(cfg) as claim, _launch_held(cfg, claim) as job:
+        yield job
+
+
+@contextlib.contextmanager
+def _launch_held(cfg: PPOConfig, claim: RunDirClaim) -> Iterator[Job]:
     from skyrl_train.config.model_source import inspect_folder, model_checkpoint
     from skyrl_train.dataset.prompts import load_datasets
-    from skyrl_train.runs.folder import claim_run_dir, resolve_resume
+    from skyrl_train.runs.folder import resolve_resume
     from skyrl_train.trainer.engine_clients import ClientOptions
     from skyrl_train.trainer.loop import GRPOLoop
     from skyrl_train.trainer.policy_group import PolicyGroup
 
-    validate_cfg(cfg)
     # Every dataset row is checked (and its environment built once) now: a bad row
     # fails naming file, row and key before Ray or any model starts.
     datasets = load_datasets(cfg)
@@ -81,9 +92,10 @@ def launch(cfg: PPOConfig) -> Iterator[Job]:
     # seconds naming the file, not after Ray and every actor have started. "latest"
     # is resolved here, once; the Job and everything after it read this cfg.
     cfg = resolve_resume(cfg)
-    # The folder and its run.json come only now, after every check: a refused launch
-    # leaves nothing, and an accepted one marks the folder before writing anything else.
-    run_dir = claim_run_dir(cfg)
+    # Accepted only now, after every check: a refused launch leaves nothing, and an
+    # accepted one writes run.json (and deletes what a branch supersedes) before
+    # anything else (runs.claim).
+    run_dir = claim.accept(cfg)
     with job_log(run_dir / "main_base.log"):
         # model.path, or the built-in model written once as a folder: from here on every
         # run loads a checkpoint folder the same way (engines, trainers, tokenizer).

@@ -148,10 +148,9 @@ def prune_checkpoints(root: Path, *, keep: int | None, current_step: int) -> lis
 
     Only ``list_checkpoints``'s folders count; anything else under ``root`` is never
     touched. ``current_step``'s, the one just written, is always kept. Oldest means
-    earliest in this run's history: checkpoints with a higher step were left by a run
-    this one resumed from an earlier step (their metrics lines were dropped too), so
-    they go first, then the lowest steps. The launch lets a run resume below them only
-    with ``trainer.overwrite_later_checkpoints`` (``runs.folder``).
+    earliest in this run's history: checkpoints with a higher step are not this run's
+    (a launch resuming below them deletes them as it is accepted, ``runs.claim``; only
+    one made by hand meanwhile is left), so they go first, then the lowest steps.
     """
     if keep is None or keep < 0:
         return []

@@ -2,7 +2,12 @@
 
 A run folder belongs to one run: the launch that found it free, then the launches that
 continue that run from its checkpoints. The rules, checked before Ray starts
-(``check_run_dir`` from ``validate_cfg``, ``resolve_resume`` from the launch):
+(``check_run_dir`` from ``validate_cfg`` and again under the folder's lock,
+``resolve_resume`` from the launch; the lock and the acceptance that writes ``run.json``
+are ``runs.claim``'s):
+
+- ``run_dir`` is a folder, or a path one can be made at: a file there (or at any
+  folder above it) is refused.
 
 - A fresh launch (``trainer.resume_from`` null) needs a folder holding none of
   ``RUN_ARTEFACTS``. Other entries are not a run's: a ``-m`` sweep's job folders
@@ -10,7 +15,8 @@ continue that run from its checkpoints. The rules, checked before Ray starts
   job refuse itself.
 - Resuming from ``<run_dir>/checkpoints/step_N`` continues that run. Its saves re-take
   the steps after N and its pruning deletes higher steps first, so a folder holding
-  checkpoints above step N is refused unless ``trainer.overwrite_later_checkpoints``.
+  checkpoints above step N is refused unless ``trainer.overwrite_later_checkpoints``,
+  and with it the launch deletes them, as it is accepted (``runs.claim``).
 - Resuming from another folder's checkpoint branches a new run: ``run_dir`` must hold
   no run artefacts, or be the folder an earlier launch of this same branch claimed
   (its ``run.json`` names the same checkpoint: a resubmitted job); the rule above then
@@ -39,7 +45,6 @@ from skyrl_train.runs.checkpoint import (
     verify_resume,
 )
 from skyrl_train.runs.export import EXPORTS_DIR, export_root, list_exports, read_marker
-from skyrl_train.utils.durable import fsync_dir, write_file
 
 if TYPE_CHECKING:
     from skyrl_train.config.schema import PPOConfig, TrainerConfig
@@ -79,11 +84,28 @@ def run_artefacts(run_dir: str | Path) -> list[tuple[Path, str]]:
     ]
 
 
+def check_run_dir_path(run_dir: str) -> None:
+    """Refuse a ``trainer.run_dir`` that is a file, or lies under one: the launch could
+    never create the folder (``mkdir`` raised a bare FileExistsError after the checks)."""
+    path = Path(run_dir)
+    for folder in (path, *path.parents):
+        if folder.is_dir():
+            return
+        if folder.exists() or folder.is_symlink():
+            what = "the path" if folder == path else f"{str(folder)!r}, above it,"
+            raise ConfigValidationError(
+                "trainer.run_dir",
+                expected="a folder, or a path where one can be made",
+                got=f"{run_dir!r}: {what} is a file",
+            )
+
+
 def check_run_dir(trainer: TrainerConfig) -> None:
     """Refuse a launch that would write into another run's folder, or resume below
     checkpoints it would delete without ``trainer.overwrite_later_checkpoints``.
     ``latest`` is checked when the launch resolves it (``resolve_resume``)."""
     run_dir, resume = Path(trainer.run_dir), trainer.resume_from
+    check_run_dir_path(trainer.run_dir)
     _check_export_path(trainer)
     if resume == LATEST:
         return
@@ -111,7 +133,7 @@ def check_run_dir(trainer: TrainerConfig) -> None:
                 "trainer.resume_from=latest)",
                 got=f"{str(run_dir)!r}, which holds {_describe(run_dir, found)}",
             )
-    _check_later_checkpoints(trainer, checkpoint, suggest_latest=True)
+    check_later_checkpoints(trainer, checkpoint, suggest_latest=True)
 
 
 def resolve_resume(cfg: PPOConfig) -> PPOConfig:
@@ -148,33 +170,8 @@ def resolve_resume(cfg: PPOConfig) -> PPOConfig:
     if found is not None:
         # Only damaged ones can sit above the newest good checkpoint; the sizes of
         # some still check out, and pruning would delete those (list_checkpoints).
-        _check_later_checkpoints(cfg.trainer, found.folder, suggest_latest=False)
+        check_later_checkpoints(cfg.trainer, found.folder, suggest_latest=False)
     return cfg
-
-
-def claim_run_dir(cfg: PPOConfig) -> Path:
-    """Create ``run_dir`` and, at its first launch, its ``run.json``; returns the folder.
-
-    Called once every check has passed (a refused launch creates nothing) and before
-    anything else is written, so that a run killed before it logged or saved a step
-    still leaves an artefact the next fresh launch into the folder is refused on. The
-    marker records the other folder's checkpoint this run branched from, if any
-    (``started_from``).
-    """
-    run_dir = Path(cfg.trainer.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    marker = run_dir / MARKER_FILE
-    if not marker.exists():
-        resume = cfg.trainer.resume_from
-        checkpoint = Path(resume).resolve() if resume else None
-        branched = checkpoint is not None and (
-            checkpoint.parent != (run_dir / CHECKPOINTS_DIR).resolve()
-        )
-        record = {"format": MARKER_FORMAT, "started_from": str(checkpoint) if branched else None}
-        # "x" mode: of two launches racing into one free folder, the second fails here.
-        write_file(marker, json.dumps(record, indent=1).encode() + b"\n")
-        fsync_dir(run_dir)
-    return run_dir
 
 
 def started_from(run_dir: str | Path) -> Path | None:
@@ -208,9 +205,11 @@ def _check_export_path(trainer: TrainerConfig) -> None:
             )
 
 
-def _check_later_checkpoints(
+def check_later_checkpoints(
     trainer: TrainerConfig, checkpoint: Path, *, suggest_latest: bool
 ) -> None:
+    """Refuse resuming from ``checkpoint`` below the checkpoints of ``run_dir`` unless
+    ``trainer.overwrite_later_checkpoints``."""
     root = Path(trainer.run_dir) / CHECKPOINTS_DIR
     step = verify_checkpoint(checkpoint, hash_files=False).step
     later = [c.folder.name for c in list_checkpoints(root) if c.step > step]
@@ -222,7 +221,7 @@ def _check_later_checkpoints(
             "trainer.overwrite_later_checkpoints",
             expected=f"true to resume from step {step} ({str(checkpoint)!r}) into "
             f"{str(root)!r}, which holds later checkpoints ({', '.join(later)}) that this "
-            f"run's saves would replace and its pruning delete{hint}",
+            f"launch would delete{hint}",
             got="false",
         )
 

@@ -16,10 +16,10 @@ from skyrl_train.config.compose import load_config
 from skyrl_train.config.validate import validate_cfg
 from skyrl_train.errors import ConfigValidationError
 from skyrl_train.runs.checkpoint import DRIVER_FILE, MANIFEST_FILE, begin_save, commit_save
+from skyrl_train.runs.claim import hold_run_dir
 from skyrl_train.runs.folder import (
     MARKER_FILE,
     RUN_ARTEFACTS,
-    claim_run_dir,
     resolve_resume,
     run_artefacts,
     started_from,
@@ -39,6 +39,12 @@ def _save(root: Path, step: int, *, world_size: int = 1) -> Path:
 
 def _cfg(run_dir: Path, *overrides: str):  # type: ignore[no-untyped-def]
     return load_config([f"trainer.run_dir={run_dir}", *overrides])
+
+
+def claim_run_dir(cfg) -> Path:  # type: ignore[no-untyped-def]
+    """What a launch does to its folder before it trains: hold it, then accept it."""
+    with hold_run_dir(cfg) as claim:
+        return claim.accept(cfg)
 
 
 def _refused(run_dir: Path, *overrides: str) -> ConfigValidationError:
@@ -261,9 +267,13 @@ def test_claim_writes_the_marker_once_and_then_a_fresh_launch_is_refused(
     cfg = _cfg(run_dir)
     assert claim_run_dir(cfg) == run_dir
     marker = (run_dir / MARKER_FILE).read_bytes()
-    assert json.loads(marker) == {"format": "skyrl-r3-run", "started_from": None}
+    record = json.loads(marker)
+    assert record.pop("launched_by").keys() == {"pid", "host", "started_at"}
+    assert record == {"format": "skyrl-r3-run", "started_from": None}
     assert started_from(run_dir) is None
-    claim_run_dir(cfg)  # a later launch of the same run leaves it as it was
+    # A second fresh launch is refused under the lock too, and changes nothing.
+    with pytest.raises(ConfigValidationError, match=r"^trainer\.run_dir: .*holds run\.json"):
+        claim_run_dir(cfg)
     assert (run_dir / MARKER_FILE).read_bytes() == marker
     err = _refused(run_dir)
     assert f"holds {MARKER_FILE} (" in err.reason
