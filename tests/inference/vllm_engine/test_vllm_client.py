@@ -30,10 +30,12 @@ from inference.errors import (
     RequestValidationError,
 )
 from inference.vllm.client import VLLMClient
-from inference.vllm.senders import FileBucketSender, NCCLBucketSender, default_bucket_dir
+from inference.vllm.senders import NCCLBucketSender
+from inference.vllm.transport import bucket_dir
 from inference.wire.npy import encode_npy
 from skyrl_train.trainer.weight_sync import WeightSyncer
 from tests.inference.vllm_engine.fake_vllm import (
+    AfterHandling,
     FakeVLLM,
     choice_json,
     drop_connection,
@@ -673,7 +675,7 @@ def test_versioned_three_bucket_push_exact_sequence() -> None:
     assert fake.loaded == [["model.layers.0.w"], ["model.layers.1.w"], ["model.layers.2.w"]]
     assert len(set(fake.bucket_files)) == 3
     for path in fake.bucket_files:
-        assert os.path.dirname(path) == default_bucket_dir()
+        assert os.path.dirname(path) == bucket_dir()  # the only folder the worker reads
         assert not os.path.exists(path)  # removed once the server answered
     assert after.policy_version == 5 and not fake.paused and not fake.started
 
@@ -691,9 +693,9 @@ def test_unversioned_push_commits_every_bucket() -> None:
     assert fake.version == "default"  # no version named: the label stays
 
 
-def test_direct_buckets_and_return_counts(tmp_path: Any) -> None:
+def test_direct_buckets_and_return_counts() -> None:
     async def main() -> FakeVLLM:
-        async with serving(client={"sender": FileBucketSender(str(tmp_path))}) as (fake, vllm):
+        async with serving() as (fake, vllm):
             n1 = await vllm.update_weights(dict(_tensors()[:2]), policy_version=2, commit=False)
             n2 = await vllm.update_weights(dict(_tensors()[2:]), policy_version=2)
             assert (n1, n2) == (2, 1)
@@ -702,13 +704,8 @@ def test_direct_buckets_and_return_counts(tmp_path: Any) -> None:
     fake = run(main())
     assert fake.calls() == [*PUSH, "/update_weights", "/update_weights", *COMMIT]
     assert fake.bucket_modes == [0o600, 0o600]  # no other user can read the weights
-    assert all(os.path.dirname(p) == str(tmp_path) for p in fake.bucket_files)
-    assert list(tmp_path.iterdir()) == [] and fake.version == "2"
-
-
-def test_bucket_dir_must_exist(tmp_path: Any) -> None:
-    with pytest.raises(ValueError, match=r"directory: expected an existing folder"):
-        FileBucketSender(str(tmp_path / "missing"))
+    assert all(os.path.dirname(p) == bucket_dir() for p in fake.bucket_files)
+    assert not any(os.path.exists(p) for p in fake.bucket_files) and fake.version == "2"
 
 
 def test_failure_mid_push_resumes_then_raises_and_the_next_push_works() -> None:
@@ -770,8 +767,61 @@ def test_pause_and_resume_are_retried_start_is_not() -> None:
             return fake
 
     fake = run(start_drops())
-    # Start was sent once; the server was paused, so it is resumed (no session to finish).
-    assert fake.calls() == [*PUSH, "/resume"]
+    # Start was sent once and got no answer: it may have opened a session, so the
+    # cleanup finishes one and resumes. Here none was open: the finish is refused, with
+    # the plain 500 vLLM also gives a finish that failed, so close() tries it once more.
+    assert fake.calls() == [*PUSH, "/finish_weight_update", "/resume", "/finish_weight_update"]
+    assert not fake.started and not fake.paused
+
+
+@pytest.mark.parametrize("lost", ["/pause", "/start_weight_update"])
+def test_a_request_that_acted_but_lost_its_reply_is_undone_and_the_next_push_works(
+    lost: str,
+) -> None:
+    """The server paused or opened a session, and the client never heard: vLLM refuses
+    every later start while a session is open, so the cleanup must end it anyway."""
+
+    async def main() -> tuple[FakeVLLM, BaseException]:
+        async with serving(faults={lost: [AfterHandling(drop_connection)]}) as (fake, vllm):
+            with pytest.raises(GenerateTransportError) as info:
+                await WeightSyncer(bucket_bytes=256).push([vllm], _tensors(), policy_version=1)
+            assert not fake.paused and not fake.started  # nothing left in effect
+            fake.faults.clear()
+            await WeightSyncer(bucket_bytes=256).push([vllm], _tensors(), policy_version=2)
+            return fake, info.value
+
+    fake, error = run(main())
+    first = [PAUSE] * 4 + ["/resume"] if lost == "/pause" else [*PUSH, *COMMIT]
+    assert fake.calls() == [*first, *PUSH, *["/update_weights"] * 3, *COMMIT]
+    assert fake.version == "2"
+    assert getattr(error, "__notes__", []) == []  # the cleanup itself went through
+
+
+def test_a_cleanup_finish_without_an_answer_is_sent_again_before_the_next_start() -> None:
+    async def main() -> tuple[FakeVLLM, BaseException]:
+        faults = {
+            "/start_weight_update": [AfterHandling(drop_connection), None],
+            "/finish_weight_update": [drop_connection, None],
+        }
+        async with serving(faults=faults) as (fake, vllm):
+            with pytest.raises(GenerateTransportError) as info:
+                await vllm.update_weights({"w": torch.ones(2)}, policy_version=1)
+            assert fake.started and not fake.paused  # the session is still open
+            await vllm.update_weights({"w": torch.ones(2)}, policy_version=2)
+            return fake, info.value
+
+    fake, error = run(main())
+    assert fake.calls() == [
+        *PUSH,
+        "/finish_weight_update",  # lost: the session stays open
+        "/resume",
+        "/finish_weight_update",  # the next push ends it first
+        *PUSH,
+        "/update_weights",
+        *COMMIT,
+    ]
+    assert fake.version == "2" and not fake.started
+    assert "an update session may still be open" in "\n".join(getattr(error, "__notes__", []))
 
 
 def test_cleanup_failures_are_notes_and_close_resumes() -> None:

@@ -10,12 +10,20 @@ rightly pick the other token.
 
 from __future__ import annotations
 
+import shutil
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from inference.vllm.transport import MOE_FIX_REPORT_RPC, PAUSE_QUERY
+from inference.vllm.transport import (
+    MOE_FIX_REPORT_RPC,
+    PAUSE_QUERY,
+    bucket_dir,
+    prepare_bucket_dir,
+)
 from tests.inference.vllm_engine.harness import (
     PROMPTS,
     call,
@@ -68,10 +76,14 @@ def moe_report(server: Any) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def buckets(vllm_checkpoints: tuple[Path, Path], tmp_path_factory) -> tuple[list[Path], list[Path]]:
-    root = tmp_path_factory.mktemp("buckets")
+def buckets(vllm_checkpoints: tuple[Path, Path]) -> Iterator[tuple[list[Path], list[Path]]]:
+    # In the transport's folder: the worker extension reads bucket files from nowhere else.
+    root = Path(tempfile.mkdtemp(dir=prepare_bucket_dir()))
     first, second = vllm_checkpoints
-    return write_buckets(first, root / "seed0"), write_buckets(second, root / "seed1")
+    try:
+        yield write_buckets(first, root / "seed0"), write_buckets(second, root / "seed1")
+    finally:
+        shutil.rmtree(root)
 
 
 def test_greedy_tokens_equal_transformers(vllm_server) -> None:
@@ -136,10 +148,11 @@ def test_bad_update_infos_fail_loudly_and_a_full_push_recovers(
     vllm_server, vllm_checkpoints, buckets
 ) -> None:
     url, key = vllm_server.url, vllm_server.api_key
-    missing = {"path": "/no/such/bucket.safetensors"}
+    missing = {"path": f"{bucket_dir()}/no-such-bucket.safetensors"}
     for good, bad, message in [
         ([], {"file": "/x"}, "update_info: expected keys among ['api_key', 'path', 'url']"),
         ([], missing, "No such file"),
+        ([], {"path": "/etc/hostname"}, "update_info.path: expected a file inside"),
         # A failure between buckets leaves layers half-buffered by the first one.
         (buckets[1][:1], missing, "No such file"),
     ]:

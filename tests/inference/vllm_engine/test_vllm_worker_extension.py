@@ -1,6 +1,8 @@
-"""The worker extension inside vLLM's own environment, on stand-in MoE layers: it
-registers its transport, and its MoE guard re-runs the experts' post-load step only
-when vLLM skipped it (a vLLM without the bug must not get a second prepack)."""
+"""The worker extension inside vLLM's own environment: it registers its transport; its
+MoE guard, on stand-in MoE layers, re-runs the experts' post-load step only when vLLM
+skipped it (a vLLM without the bug must not get a second prepack); and its transport
+engine reads a bucket only from the transport's folder or the sender's announced
+origin, within the size cap, refusing anything else with the key named."""
 
 from __future__ import annotations
 
@@ -91,3 +93,108 @@ def test_moe_guard_reruns_the_step_only_where_vllm_skipped_it(vllm_python, tmp_p
         "report": {"moe_layers": 2, "skipped_postprocess": 1, "reruns": 0, "fix_enabled": False},
         "calls": [1, 0],
     }
+
+
+SOURCES = """
+import http.server, json, os, tempfile, threading, types
+from pathlib import Path
+import torch
+from safetensors.torch import save
+from inference.vllm import transport, worker_extension as we
+
+class Model(torch.nn.Module):  # records what a bucket would load
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(8))
+        self.loaded = []
+    def load_weights(self, weights):
+        self.loaded.append(sorted(name for name, _ in weights))
+
+config = types.SimpleNamespace(parallel_config=types.SimpleNamespace(world_size=2),
+                               model_config=None)
+engine = we.FileWeightTransferEngine(None, config, torch.device("cpu"), Model())
+body = save({"w": torch.ones(8)})
+big = save({"w": torch.ones(64)})
+
+class Handler(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        data = big if self.path == "/big" else body
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+    def log_message(self, *args):
+        pass
+
+server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+threading.Thread(target=server.serve_forever, daemon=True).start()
+origin = f"http://127.0.0.1:{server.server_address[1]}"
+other = f"http://127.0.0.1:{server.server_address[1] + 1}"
+
+inside = Path(tempfile.mkdtemp(dir=transport.prepare_bucket_dir()))
+(inside / "good.safetensors").write_bytes(body)
+(inside / "big.safetensors").write_bytes(big)
+outside = Path(tempfile.mkdtemp()) / "secret.safetensors"
+outside.write_bytes(body)
+(inside / "escape.safetensors").symlink_to(outside)
+
+def attempt(update):
+    try:
+        engine.receive_weights(engine.parse_update_info(update))
+        return engine.model.loaded[-1]
+    except ValueError as exc:
+        return str(exc)
+
+result = {"cap": engine.max_bucket_bytes, "origin": origin}
+result["url_before_init"] = attempt({"url": origin + "/b"})
+engine.init_transfer_engine(engine.parse_init_info(transport.url_init_info(origin)))
+result.update({
+    "file": attempt({"path": str(inside / "good.safetensors")}),
+    "outside": attempt({"path": str(outside)}),
+    "traversal": attempt({"path": f"{inside}/../../{outside.relative_to('/')}"}),
+    "symlink": attempt({"path": str(inside / "escape.safetensors")}),
+    "url": attempt({"url": origin + "/b", "api_key": "k"}),
+    "other_host": attempt({"url": origin.replace("127.0.0.1", "127.0.0.2") + "/b"}),
+    "other_port": attempt({"url": other + "/b"}),
+})
+engine.max_bucket_bytes = len(body)  # a cap between the two buckets' sizes
+result["big_file"] = attempt({"path": str(inside / "big.safetensors")})
+result["big_url"] = attempt({"url": origin + "/big"})
+result["sizes"] = [len(body), len(big)]
+print(json.dumps(result))
+"""
+
+
+def test_buckets_are_read_only_from_the_transport_folder_and_the_senders_origin(
+    vllm_python, tmp_path: Path
+) -> None:
+    staged = stage_worker_modules(tmp_path / "pythonpath")
+    env = {**os.environ, "PYTHONPATH": str(staged)}
+    done = subprocess.run(
+        [vllm_python, "-c", SOURCES],
+        env=env,
+        cwd=staged,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    # Every parameter as F32 over both workers, plus the header allowance.
+    assert result["cap"] == 4 * 8 * 2 + (64 << 20)
+    assert result["file"] == ["w"] and result["url"] == ["w"]  # the good cases still load
+    assert result["url_before_init"].startswith(
+        "update_info.url: expected a URL at the origin the trainer named"
+    )
+    for case in ("outside", "traversal", "symlink"):
+        assert result[case].startswith("update_info.path: expected a file inside "), result[case]
+        assert "(the skyrl_file transport's folder)" in result[case]
+    for case in ("other_host", "other_port"):
+        assert result[case].startswith(
+            f"update_info.url: expected a URL at {result['origin']} (init_info.bucket_origin)"
+        ), result[case]
+    small, big = result["sizes"]
+    for case, key in (("big_file", "path"), ("big_url", "url")):
+        assert result[case].startswith(
+            f"update_info.{key}: expected a bucket of at most {small} bytes"
+        ) and result[case].endswith(f"got {big} bytes"), result[case]

@@ -224,6 +224,20 @@ def test_weight_url_host_needs_vllm_and_an_address(tmp_path: Path, cpu_build: st
         )
 
 
+@pytest.mark.parametrize("host", ["0.0.0.0", "'::'", "'[::]'", "'0'", "0x0", "'::ffff:0.0.0.0'"])
+def test_a_wildcard_weight_url_host_is_refused(tmp_path: Path, cpu_build: str, host: str) -> None:
+    # A wildcard binds every interface but names none: the servers would be handed
+    # http://0.0.0.0:PORT. Refused at validation, before Ray starts.
+    key = f"{ENGINE}.vllm.weight_url_host"
+    urls = f"{ENGINE}.remote_urls=[http://10.0.0.9:8000]"
+    for overrides in (
+        vllm(cpu_build, *SERVABLE, *R2, f"{key}={host}", tmp_path=tmp_path),
+        [f"trainer.run_dir={tmp_path / 'run'}", urls, f"{ENGINE}.backend=vllm", f"{key}={host}"],
+    ):
+        err = refusal(overrides)
+        assert err.path == key and "not a wildcard" in str(err), err
+
+
 @pytest.mark.parametrize(
     ("key", "value", "hint"),
     [
