@@ -1,10 +1,16 @@
-"""Async HTTP client of the inference server, with a bounded retry policy."""
+"""Async HTTP clients of inference servers, with a bounded retry policy; the generate
+contract they share is ``inference.client.protocol``."""
 
 from inference.client.client import RemoteGenerateClient
 from inference.client.limits import ReplyTooLarge, RouteShape
-from inference.client.protocol import GenerateClient, WeightUpdateClient
+from inference.client.protocol import (
+    GenerateClient,
+    GenerateRequest,
+    GenerateResult,
+    VersionSpan,
+    WeightUpdateClient,
+)
 from inference.client.replies import parse_retry_after
-from inference.client.results import GenerateRequest, GenerateResult, VersionSpan
 from inference.client.retry import RetryPolicy
 
 __all__ = [

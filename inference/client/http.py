@@ -1,8 +1,11 @@
 """What every HTTP client of an inference server shares: the session, one request with
-the retry taxonomy and a reply cap (docs/design.md §3), and batches of generate calls.
+the retry taxonomy and a reply cap (docs/design.md §3), the generate call's preamble
+(sampling params, the prompt, the logprobs mode, the body and its reply cap) and
+batches of generate calls.
 
 ``RemoteGenerateClient`` (our server) and ``VLLMClient`` (a stock vLLM server) differ in
-their request and reply formats, not in how a request is sent, retried or read.
+their request and reply formats (``_prepare``), not in how a request is built, sent,
+retried or read.
 """
 
 from __future__ import annotations
@@ -10,30 +13,78 @@ from __future__ import annotations
 import asyncio
 import random
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, TypeVar
+from dataclasses import dataclass, field
+from typing import Any, TypedDict, TypeVar
 
 import aiohttp
+import numpy as np
+import orjson
 import yarl
 
-from inference.client.limits import RouteShape, read_capped
+from inference.client.limits import (
+    SERVER_DEFAULT_MAX_TOKENS,
+    SMALL_REPLY_BYTES,
+    SUPPORT_K_BOUND,
+    TOKEN_JSON_BYTES,
+    RouteShape,
+    generate_reply_cap,
+    read_capped,
+)
+from inference.client.protocol import GenerateRequest, GenerateResult
 from inference.client.replies import status_error
-from inference.client.results import GenerateRequest, GenerateResult
 from inference.client.retry import RetryPolicy, call_with_retry
-from inference.client.sampling import positive_int
-from inference.errors import GenerateTransportError
+from inference.client.sampling import positive_int, sampling_dict
+from inference.errors import GenerateTransportError, RequestValidationError
 
 T = TypeVar("T")
 C = TypeVar("C", bound="HTTPClientBase")
 
 
+@dataclass
+class GenerateCall:
+    """One generate request on its way out, as the engine's client shapes it."""
+
+    request: GenerateRequest
+    """What the caller asked for."""
+    params: dict[str, Any]
+    """The sampling params sent (a fresh dict, ``routed_experts_prompt_start`` merged)."""
+    prompt_route_rows: int | None
+    """P - s - 1: route rows a reply owes besides one per new token (None: the prompt
+    start is not an int, which the server refuses)."""
+    fields: dict[str, Any] = field(default_factory=dict)
+    """Top-level body keys beyond ``token_ids``, ``sampling_params`` and ``model``."""
+
+
+class HTTPOptions(TypedDict, total=False):
+    """``HTTPClientBase``'s options, for an engine's client that adds its own."""
+
+    retry: RetryPolicy | Mapping[str, Any] | None
+    api_key: str | None
+    model: str | None
+    max_connections: int
+    seed: int | None
+    max_reply_bytes: int | None
+    route_shape: RouteShape | None
+
+
 class HTTPClientBase:
-    """Session lifecycle and one retried, capped request. Use as ``async with`` or call
-    ``close()``; subclasses add ``generate`` and the server's other calls.
+    """Session lifecycle, one retried, capped request, and the generate and weight
+    calls of ``GenerateClient``. Use as ``async with`` or call ``close()``; an engine's
+    client shapes its server's generate body and parses the reply (``_prepare``), sends
+    a weight bucket (``_update_weights``) and adds the server's other calls.
 
     ``api_key`` is sent as a bearer token; ``max_connections`` caps open connections;
     ``seed`` seeds the backoff jitter; ``retry`` is a :class:`RetryPolicy` or a mapping
     of its fields (e.g. a config section).
     """
+
+    supported_logprobs_modes: tuple[str, ...] = ()
+    """``GenerateClient.supported_logprobs_modes``: set by each engine's client."""
+    supports_packed_body: bool = False
+    generate_path: str = ""
+    """The server's generate route."""
+    token_json_bytes: int = TOKEN_JSON_BYTES
+    """Bound on one generated token's JSON in the server's reply (``limits``)."""
 
     def __init__(
         self,
@@ -109,6 +160,72 @@ class HTTPClientBase:
         session_id: str | None = None,
         return_packed_body: bool = False,
     ) -> GenerateResult:
+        """One completion of ``prompt_token_ids``: ``GenerateClient.generate``
+        (``inference.client.protocol``); the engine's client shapes the body and reads
+        the reply (``_prepare``), this sends it under the reply cap."""
+        return await self._generate(
+            GenerateRequest(
+                prompt_token_ids=prompt_token_ids,
+                sampling_params=sampling_params,
+                return_routed_experts=return_routed_experts,
+                routed_experts_prompt_start=routed_experts_prompt_start,
+                return_sample_support=return_sample_support,
+                session_id=session_id,
+                return_packed_body=return_packed_body,
+            )
+        )
+
+    async def _generate(self, request: GenerateRequest) -> GenerateResult:
+        params = sampling_dict(request.sampling_params)
+        if request.routed_experts_prompt_start is not None:
+            if "routed_experts_prompt_start" in params:
+                raise ValueError(
+                    "routed_experts_prompt_start: expected it either as an argument or in "
+                    "sampling_params, got both"
+                )
+            params["routed_experts_prompt_start"] = request.routed_experts_prompt_start
+        mode = params.get("logprobs_mode")
+        if mode is not None and mode not in self.supported_logprobs_modes:
+            raise RequestValidationError(
+                "$.sampling_params.logprobs_mode",
+                f"one of {list(self.supported_logprobs_modes)} (supported_logprobs_modes: "
+                f"what this {type(self).__name__}'s engine reports) or None",
+                mode,
+            )
+        prompt = request.prompt_token_ids
+        ids = prompt.tolist() if isinstance(prompt, np.ndarray) else list(prompt)
+        start = params.get("routed_experts_prompt_start") or 0
+        call = GenerateCall(
+            request, params, len(ids) - start - 1 if isinstance(start, int) else None
+        )
+        parse = self._prepare(call)
+        payload: dict[str, Any] = {"token_ids": ids, "sampling_params": call.params}
+        if self._model is not None:
+            payload["model"] = self._model
+        payload.update(call.fields)
+        body = orjson.dumps(payload, option=orjson.OPT_SERIALIZE_NUMPY)
+        cap = self.max_reply_bytes
+        if cap is None:
+            # A max_tokens or k the server refuses gets a small 400: any bound will do.
+            support = request.return_sample_support
+            cap = generate_reply_cap(
+                max_tokens=positive_int(call.params.get("max_tokens")) or SERVER_DEFAULT_MAX_TOKENS,
+                prompt_route_rows=call.prompt_route_rows or 0,
+                route_shape=await self._reply_route_shape(request),
+                support_k=SUPPORT_K_BOUND if support is True else positive_int(support) or 0,
+                token_json_bytes=self.token_json_bytes,
+            )
+        return await self._post(
+            self.generate_path, body, parse, content_type="application/json", max_reply_bytes=cap
+        )
+
+    def _prepare(self, call: GenerateCall) -> Callable[[bytes], GenerateResult]:
+        """The engine's part of a generate call: refuse what its server cannot do, edit
+        ``call.params`` and ``call.fields`` into its body, and return the reply's parser."""
+        raise NotImplementedError
+
+    async def _reply_route_shape(self, request: GenerateRequest) -> RouteShape | None:
+        """The route shape the reply cap counts routes in; None: the reply has none."""
         raise NotImplementedError
 
     async def generate_batch(
@@ -131,15 +248,7 @@ class HTTPClientBase:
                 if failed:
                     return None
                 try:
-                    return await self.generate(
-                        prompt_token_ids=request.prompt_token_ids,
-                        sampling_params=request.sampling_params,
-                        return_routed_experts=request.return_routed_experts,
-                        routed_experts_prompt_start=request.routed_experts_prompt_start,
-                        return_sample_support=request.return_sample_support,
-                        session_id=request.session_id,
-                        return_packed_body=request.return_packed_body,
-                    )
+                    return await self._generate(request)
                 except BaseException:
                     failed = True
                     raise
@@ -175,6 +284,34 @@ class HTTPClientBase:
             headers=headers,
             query=query,
             retry=retry,
+        )
+
+    async def update_weights(
+        self,
+        named_tensors: Mapping[str, Any],
+        *,
+        policy_version: int | None = None,
+        commit: bool = True,
+    ) -> int:
+        """``WeightUpdateClient.update_weights``: one bucket of engine-layout tensors;
+        the engine's client sends it (``_update_weights``)."""
+        # Imported here: the generate path stays torch-free.
+        from inference.engine.base import check_policy_version
+
+        check_policy_version(policy_version, field="policy_version", optional=True)
+        return await self._update_weights(
+            named_tensors, policy_version=policy_version, commit=commit
+        )
+
+    async def _update_weights(
+        self, named_tensors: Mapping[str, Any], *, policy_version: int | None, commit: bool
+    ) -> int:
+        raise NotImplementedError
+
+    async def _get(self, path: str, parse: Callable[[bytes], T]) -> T:
+        """One retried ``GET`` of a small document (``/health`` and the like)."""
+        return await self._request(
+            "GET", path, None, parse, content_type=None, max_reply_bytes=SMALL_REPLY_BYTES
         )
 
     async def _request(

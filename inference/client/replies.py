@@ -17,7 +17,7 @@ from typing import Any
 import orjson
 
 from inference.client.retry import RetryLater
-from inference.errors import GenerateHTTPError, GenerateTransportError
+from inference.errors import GenerateHTTPError, GenerateProtocolError, GenerateTransportError
 
 _RETRY_LATER_STATUSES = (429, 503)
 # An error body is quoted into the exception; a 100 MB HTML page should not be.
@@ -32,6 +32,14 @@ def loads_or_retry(raw: bytes, status: int) -> Any:
         raise GenerateTransportError(
             f"HTTP {status}: undecodable body ({len(raw)} bytes): {exc}; starts {raw[:80]!r}"
         ) from exc
+
+
+def json_object(raw: bytes) -> dict[str, Any]:
+    """A 200 reply that must be one JSON object (``/health``, a weight call's answer)."""
+    reply = loads_or_retry(raw, 200)
+    if not isinstance(reply, dict):
+        raise GenerateProtocolError("$", "a JSON object", type(reply).__name__)
+    return reply
 
 
 def status_error(status: int, raw: bytes, retry_after: str | None) -> Exception:

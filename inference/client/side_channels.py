@@ -7,17 +7,22 @@ would otherwise misalign every later turn's routes silently (docs/design.md §4)
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
 
-from inference.client.results import GenerateResult
+from inference.client.protocol import GenerateResult
+from inference.client.replies import loads_or_retry
 from inference.errors import GenerateProtocolError, WireError
 from inference.wire import (
+    DEFAULT_FIELDS,
+    NpyField,
     PackedField,
     decode_packed_field,
     decode_packed_routed_experts,
     decode_packed_sample_support,
+    load_packed_body,
 )
 
 _CHOICE = "$.choices[0]"
@@ -28,6 +33,20 @@ def as_protocol_error(exc: WireError) -> GenerateProtocolError:
     if isinstance(exc, GenerateProtocolError):
         return exc
     return GenerateProtocolError(exc.path, exc.expected, exc.got)
+
+
+def load_reply(
+    raw: bytes, *, fields: Iterable[PackedField | NpyField | str] = DEFAULT_FIELDS
+) -> Any:
+    """A 200 generate reply with ``fields`` spliced out as views (``load_packed_body``).
+    A truncated body also fails the splice: only a body that is valid JSON has a
+    malformed packed contract (deterministic, ``GenerateProtocolError``); anything else
+    is a broken hop, retried (``GenerateTransportError``)."""
+    try:
+        return load_packed_body(raw, fields=fields)
+    except WireError as exc:
+        loads_or_retry(raw, 200)
+        raise as_protocol_error(exc) from exc
 
 
 def _envelope(choice: dict[str, Any], field: PackedField) -> Any:

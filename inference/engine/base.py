@@ -15,6 +15,9 @@ import numpy as np
 import torch
 
 from inference.errors import RequestValidationError
+from inference.wire.response import LOGPROBS_MODES
+from inference.wire.response import PROCESSED_LOGPROBS as PROCESSED_LOGPROBS
+from inference.wire.response import RAW_LOGPROBS as RAW_LOGPROBS
 
 # The sampler divides float32 logits by the temperature (inference/engine/sampling.py).
 # MIN: logits / T overflows float32 (max 3.4e38) to inf, and the softmax then gives NaN,
@@ -78,11 +81,6 @@ def check_top_k(value: object, *, field: str, vocab_size: int | None = None) -> 
     raise RequestValidationError(field, TOP_K_RULE, value)
 
 
-RAW_LOGPROBS = "raw_logprobs"
-PROCESSED_LOGPROBS = "processed_logprobs"
-LOGPROBS_MODES = (RAW_LOGPROBS, PROCESSED_LOGPROBS)
-"""vLLM's names: log softmax of the raw logits, or log q of the distribution the
-sampler draws from (temperature, top-k, top-p; ``inference/engine/sampling.py``)."""
 LOGPROBS_MODE_RULE = f"one of {list(LOGPROBS_MODES)}"
 
 

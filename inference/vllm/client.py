@@ -6,7 +6,8 @@ means no cut in both); the client adds ``logprobs: 0`` (the sampled token's logp
 as the server's ``--logprobs-mode processed_logprobs`` computes it) and
 ``detokenize: false``, and always sends ``max_tokens`` (vLLM would otherwise fill the
 context). What vLLM cannot give is refused before anything is sent: sample support,
-packed bodies, sessions, unknown sampling keys.
+packed bodies, sessions, unknown sampling keys, a logprobs mode other than its
+server's (``supported_logprobs_modes``).
 
 Replies: the same retry taxonomy and size caps as ``RemoteGenerateClient`` (docs/design.md §3;
 vLLM's per-token JSON is larger, hence its own per-token bound), parsed in one scan
@@ -23,36 +24,23 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Mapping, Sequence
-from typing import Any, Final
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Final, Unpack
 
-import numpy as np
 import orjson
 
-from inference.client.http import HTTPClientBase
-from inference.client.limits import (
-    SERVER_DEFAULT_MAX_TOKENS,
-    SMALL_REPLY_BYTES,
-    RouteShape,
-    generate_reply_cap,
-)
-from inference.client.replies import loads_or_retry
-from inference.client.results import GenerateResult
-from inference.client.retry import RetryPolicy
-from inference.client.sampling import positive_int, sampling_dict
-from inference.client.side_channels import as_protocol_error
-from inference.errors import (
-    GenerateHTTPError,
-    GenerateProtocolError,
-    RequestValidationError,
-    WireError,
-)
+from inference.client.http import GenerateCall, HTTPClientBase, HTTPOptions
+from inference.client.limits import SERVER_DEFAULT_MAX_TOKENS, SMALL_REPLY_BYTES, RouteShape
+from inference.client.protocol import GenerateRequest, GenerateResult
+from inference.client.replies import json_object
+from inference.client.side_channels import load_reply
+from inference.errors import GenerateHTTPError, GenerateProtocolError, RequestValidationError
 from inference.vllm.layouts import to_vllm_layout
 from inference.vllm.push import WeightPush
 from inference.vllm.replies import parse_vllm_reply, policy_version_of
 from inference.vllm.senders import BucketSender, FileBucketSender
 from inference.vllm.spec import VLLM_LOGPROBS_MODE
-from inference.wire import NpyField, load_packed_body
+from inference.wire import NpyField
 
 GENERATE_PATH: Final = "/inference/v1/generate"
 HEALTH_PATH: Final = "/health"
@@ -95,24 +83,23 @@ class VLLMClient(HTTPClientBase):
     engine layout as it is, which vLLM takes for every family but Mixtral.
     """
 
+    supported_logprobs_modes = (VLLM_LOGPROBS_MODE,)
+    """vLLM fixes the mode per server (``--logprobs-mode``, which the launcher sets), not
+    per request: a request may name that one, which is not forwarded."""
     supports_packed_body = False
     """vLLM sends token ids and logprobs as JSON lists only."""
+    generate_path = GENERATE_PATH
+    token_json_bytes = VLLM_TOKEN_JSON_BYTES
 
     def __init__(
         self,
         base_url: str,
         *,
-        retry: RetryPolicy | Mapping[str, Any] | None = None,
-        api_key: str | None = None,
-        model: str | None = None,
-        max_connections: int = 64,
-        seed: int | None = None,
-        max_reply_bytes: int | None = None,
-        route_shape: RouteShape | None = None,
         sender: BucketSender | None = None,
         weight_timeout_s: float = 300.0,
         eos_token_ids: Sequence[int] = (),
         family: str | None = None,
+        **options: Unpack[HTTPOptions],
     ) -> None:
         if (
             isinstance(weight_timeout_s, bool)
@@ -128,16 +115,7 @@ class VLLMClient(HTTPClientBase):
             raise ValueError(
                 f"eos_token_ids: expected a sequence of token ids >= 0, got {eos_token_ids!r}"
             )
-        super().__init__(
-            base_url,
-            retry=retry,
-            api_key=api_key,
-            model=model,
-            max_connections=max_connections,
-            seed=seed,
-            max_reply_bytes=max_reply_bytes,
-            route_shape=route_shape,
-        )
+        super().__init__(base_url, **options)
         self.eos_token_ids = tuple(eos_token_ids)
         self.family = family
         self._control_retry = dataclasses.replace(
@@ -157,50 +135,28 @@ class VLLMClient(HTTPClientBase):
         await self._push.sender.close()
         await super().close()
 
-    async def generate(
-        self,
-        *,
-        prompt_token_ids: Sequence[int],
-        sampling_params: Mapping[str, Any] | Any,
-        return_routed_experts: bool = False,
-        routed_experts_prompt_start: int | None = None,
-        return_sample_support: bool | int = False,
-        session_id: str | None = None,
-        return_packed_body: bool = False,
-    ) -> GenerateResult:
-        """Generate one completion of ``prompt_token_ids`` (see the module docstring)."""
-        if return_sample_support is not False and return_sample_support != 0:
+    def _prepare(self, call: GenerateCall) -> Callable[[bytes], GenerateResult]:
+        request, params = call.request, call.params
+        support = request.return_sample_support
+        if support is not False and support != 0:
             raise RequestValidationError(
                 "return_sample_support",
                 "False (vLLM's generate API returns no candidate ids or logprobs)",
-                return_sample_support,
+                support,
             )
-        if return_packed_body:
+        if request.return_packed_body:
             raise RequestValidationError(
                 "return_packed_body",
                 "False (vLLM sends token ids and logprobs as JSON lists; see supports_packed_body)",
-                return_packed_body,
+                request.return_packed_body,
             )
-        if session_id is not None:
+        if request.session_id is not None:
             raise RequestValidationError(
-                "session_id", "None (vLLM's generate API has no sessions)", session_id
+                "session_id", "None (vLLM's generate API has no sessions)", request.session_id
             )
-        params = sampling_dict(sampling_params)
-        if routed_experts_prompt_start is not None:
-            if "routed_experts_prompt_start" in params:
-                raise ValueError(
-                    "routed_experts_prompt_start: expected it either as an argument or in "
-                    "sampling_params, got both"
-                )
-            params["routed_experts_prompt_start"] = routed_experts_prompt_start
-        mode = params.pop("logprobs_mode", None)
-        if mode not in (None, VLLM_LOGPROBS_MODE):
-            # vLLM fixes the mode per server (--logprobs-mode), not per request.
-            raise RequestValidationError(
-                "$.sampling_params.logprobs_mode",
-                f"{VLLM_LOGPROBS_MODE!r} (the mode the vLLM server was started with)",
-                mode,
-            )
+        # The base checked it against supported_logprobs_modes; vLLM takes no such key
+        # (its server fixes the mode with --logprobs-mode).
+        params.pop("logprobs_mode", None)
         for key in params:
             if key not in SAMPLING_KEYS:
                 raise RequestValidationError(
@@ -215,72 +171,39 @@ class VLLMClient(HTTPClientBase):
         if self.eos_token_ids and not params.get("ignore_eos"):
             stops = list(params.get("stop_token_ids") or ())
             params["stop_token_ids"] = stops + [i for i in self.eos_token_ids if i not in stops]
-        ids = (
-            prompt_token_ids.tolist()
-            if isinstance(prompt_token_ids, np.ndarray)
-            else list(prompt_token_ids)
-        )
-        payload: dict[str, Any] = {
-            "token_ids": ids,
-            "sampling_params": {**params, "logprobs": 0, "detokenize": False},
-        }
-        if self._model is not None:
-            payload["model"] = self._model
-        body = orjson.dumps(payload, option=orjson.OPT_SERIALIZE_NUMPY)
-
+        params.update(logprobs=0, detokenize=False)
         shape = self.route_shape
-        if return_routed_experts and shape is None and self.max_reply_bytes is None:
+        if request.return_routed_experts and shape is None and self.max_reply_bytes is None:
             raise ValueError(
                 "route_shape: expected a RouteShape (layers, top_k, experts) to request "
                 "routes from vLLM, which does not report them, got None"
             )
-        prompt_route_rows = len(ids) - start - 1
-        want_routes = bool(return_routed_experts)
+        want_routes = bool(request.return_routed_experts)
 
         def parse(raw: bytes) -> GenerateResult:
-            try:
-                # Spliced whether or not routes were asked for: a capturing server
-                # sends them anyway, and a plain parse would build their huge str.
-                doc = load_packed_body(raw, fields=(NpyField.ROUTED_EXPERTS,))
-            except WireError as exc:
-                loads_or_retry(raw, 200)  # not JSON at all: a broken hop, retried
-                raise as_protocol_error(exc) from exc
+            # Spliced whether or not routes were asked for: a capturing server sends
+            # them anyway, and a plain parse would build their huge str.
             return parse_vllm_reply(
-                doc,
+                load_reply(raw, fields=(NpyField.ROUTED_EXPERTS,)),
                 want_routes=want_routes,
-                prompt_route_rows=prompt_route_rows,
+                prompt_route_rows=call.prompt_route_rows,
                 route_dims=None if shape is None else (shape.num_layers, shape.top_k),
             )
 
-        cap = self.max_reply_bytes
-        if cap is None:
-            cap = generate_reply_cap(
-                max_tokens=positive_int(params.get("max_tokens")) or SERVER_DEFAULT_MAX_TOKENS,
-                prompt_route_rows=max(prompt_route_rows, 0),
-                # Whenever known: a capturing server sends routes with every reply.
-                route_shape=shape,
-                token_json_bytes=VLLM_TOKEN_JSON_BYTES,
-            )
-        return await self._post(
-            GENERATE_PATH, body, parse, content_type="application/json", max_reply_bytes=cap
-        )
+        return parse
 
-    async def update_weights(
-        self,
-        named_tensors: Mapping[str, Any],
-        *,
-        policy_version: int | None = None,
-        commit: bool = True,
+    async def _reply_route_shape(self, request: GenerateRequest) -> RouteShape | None:
+        # Whenever known: a capturing server sends routes with every reply.
+        return self.route_shape
+
+    async def _update_weights(
+        self, named_tensors: Mapping[str, Any], *, policy_version: int | None, commit: bool
     ) -> int:
-        """Send one bucket of engine-layout tensors (HF names, as the builtin server
-        takes them); returns how many it held. ``commit=False`` keeps the push open (the
-        server stays paused) for the next bucket; ``commit=True`` ends it, naming
-        ``policy_version`` (None: the server keeps its version label). See
-        ``inference.vllm.push`` for the calls, retries and failure handling."""
-        # Imported here, as in RemoteGenerateClient: the generate path stays torch-free.
-        from inference.engine.base import check_policy_version
-
-        check_policy_version(policy_version, field="policy_version", optional=True)
+        """HF names, as the builtin server takes them; returns how many it held.
+        ``commit=False`` keeps the push open (the server stays paused) for the next
+        bucket; ``commit=True`` ends it, naming ``policy_version`` (None: the server
+        keeps its version label). See ``inference.vllm.push`` for the calls, retries and
+        failure handling."""
         await self._push.bucket(
             dict(to_vllm_layout(self.family, named_tensors.items())),
             policy_version=policy_version,
@@ -292,21 +215,10 @@ class VLLMClient(HTTPClientBase):
         """``{"status": "ok", "models": [...], "max_model_len": n, "weight_version":
         label or None, "policy_version": int or None}`` from ``/health`` (empty when
         healthy), ``/v1/models`` and ``/weight_info`` (absent without dev mode)."""
-        await self._request(
-            "GET", HEALTH_PATH, None, _ignore, content_type=None, max_reply_bytes=SMALL_REPLY_BYTES
-        )
-        models = await self._request(
-            "GET", MODELS_PATH, None, _models, content_type=None, max_reply_bytes=SMALL_REPLY_BYTES
-        )
+        await self._get(HEALTH_PATH, _ignore)
+        models = await self._get(MODELS_PATH, _models)
         try:
-            label = await self._request(
-                "GET",
-                WEIGHT_INFO_PATH,
-                None,
-                _weight_version,
-                content_type=None,
-                max_reply_bytes=SMALL_REPLY_BYTES,
-            )
+            label = await self._get(WEIGHT_INFO_PATH, _weight_version)
         except GenerateHTTPError as exc:
             if exc.status != 404:
                 raise
@@ -347,8 +259,7 @@ def _ignore(raw: bytes) -> None:
 
 
 def _models(raw: bytes) -> list[dict[str, Any]]:
-    reply = loads_or_retry(raw, 200)
-    data = reply.get("data") if isinstance(reply, dict) else None
+    data = json_object(raw).get("data")
     if not isinstance(data, list) or not all(
         isinstance(card, dict) and isinstance(card.get("id"), str) for card in data
     ):
@@ -357,8 +268,7 @@ def _models(raw: bytes) -> list[dict[str, Any]]:
 
 
 def _weight_version(raw: bytes) -> str:
-    reply = loads_or_retry(raw, 200)
-    label = reply.get("weight_version") if isinstance(reply, dict) else None
+    label = json_object(raw).get("weight_version")
     if not isinstance(label, str):
         raise GenerateProtocolError("$.weight_version", "a string", label)
     return label

@@ -22,7 +22,7 @@ from typing import Any, Final
 
 import numpy as np
 
-from inference.client.results import GenerateResult, VersionSpan
+from inference.client.protocol import GenerateResult, VersionSpan
 from inference.errors import GenerateProtocolError, WireError
 from inference.wire import LOGPROB_FLOOR, NpyField, decode_npy_field
 

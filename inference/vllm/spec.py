@@ -15,8 +15,9 @@ from pathlib import Path
 from typing import Any
 
 from inference.vllm.transport import BACKEND, WORKER_EXTENSION
+from inference.wire.response import PROCESSED_LOGPROBS
 
-VLLM_LOGPROBS_MODE = "processed_logprobs"
+VLLM_LOGPROBS_MODE = PROCESSED_LOGPROBS
 """What every vLLM server here reports (``vllm_command`` passes
 ``--logprobs-mode``): logprobs of the distribution the sampler drew from. A request
 may name it in ``sampling_params.logprobs_mode``; any other mode is refused."""

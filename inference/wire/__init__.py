@@ -33,6 +33,9 @@ from inference.wire.ndarray import PackedArrayKey, pack_ndarray, unpack_ndarray
 from inference.wire.npy import NpyField, decode_npy_field
 from inference.wire.response import (
     LOGPROB_FLOOR,
+    LOGPROBS_MODES,
+    PROCESSED_LOGPROBS,
+    RAW_LOGPROBS,
     ClampedLogprobs,
     clamp_logprobs,
     dumps_generate_response,
@@ -40,7 +43,10 @@ from inference.wire.response import (
 
 __all__ = [
     "DEFAULT_FIELDS",
+    "LOGPROBS_MODES",
     "LOGPROB_FLOOR",
+    "PROCESSED_LOGPROBS",
+    "RAW_LOGPROBS",
     "ROUTE_DTYPES",
     "ClampedLogprobs",
     "FieldSpec",

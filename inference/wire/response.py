@@ -14,6 +14,14 @@ from inference.wire.fields import PackedField, pack_field
 # floor, and the count is reported so a server can log or export it.
 LOGPROB_FLOOR: Final = -9999.0
 
+RAW_LOGPROBS: Final = "raw_logprobs"
+PROCESSED_LOGPROBS: Final = "processed_logprobs"
+LOGPROBS_MODES: Final = (RAW_LOGPROBS, PROCESSED_LOGPROBS)
+"""What a reply's logprobs are (``sampling_params.logprobs_mode``, vLLM's names): log
+softmax of the raw logits, or log q of the distribution the sampler draws from
+(temperature, top-k, top-p; ``inference/engine/sampling.py``). Named here, beside the
+reply's other logprob rule, so the engine and the torch-free clients share them."""
+
 _BY_KEY: Final = {field.key: field for field in PackedField}
 
 

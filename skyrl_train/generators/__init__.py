@@ -1,6 +1,7 @@
 """Rollout generation: the gym generator, its renderer and the per-token traces.
 
-Everything here imports numpy and the gym only; the HTTP client is passed in.
+The engine client is passed in; what it must do is ``inference.client.protocol``'s
+``GenerateClient``, the one generate contract.
 """
 
 from skyrl_train.generators.base import GeneratorInput, GeneratorOutput

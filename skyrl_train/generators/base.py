@@ -1,13 +1,30 @@
 """The generator's contracts: its input and output (the seam with batch preprocessing)
-and the two things a rollout talks to, an engine client and an environment episode."""
+and the two things a rollout talks to, an engine client (``GenerateClient``, the one
+generate contract of ``inference.client.protocol``) and an environment episode."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Final, Protocol
 
 import numpy as np
+
+from inference.client.protocol import GenerateClient
+from inference.wire import PROCESSED_LOGPROBS, RAW_LOGPROBS
+from skyrl_train.errors import ConfigValidationError
+
+__all__ = [
+    "EVALUATION_LOGPROBS_MODES",
+    "TRAINING_LOGPROBS_MODES",
+    "Episode",
+    "GenerateClient",
+    "GeneratorInput",
+    "GeneratorOutput",
+    "choose_logprobs_mode",
+    "concat_outputs",
+    "reported_solved",
+]
 
 
 @dataclass
@@ -136,25 +153,34 @@ def concat_outputs(parts: Sequence[GeneratorOutput]) -> GeneratorOutput:
     )
 
 
-class GenerateClient(Protocol):
-    """The part of a client the generator uses; ``inference.client.GenerateClient``
-    (``RemoteGenerateClient``, ``VLLMClient``) has it."""
+TRAINING_LOGPROBS_MODES: Final = (PROCESSED_LOGPROBS,)
+"""Training scores every token under the distribution it was sampled from: the engine
+reports that distribution's logprobs and, with a top-k / top-p cut, each position's
+kept set, which the trainer replays (docs/design.md §7). Raw logprobs would put the
+importance ratios off by the temperature and the cut, so no other mode will do."""
+EVALUATION_LOGPROBS_MODES: Final = (RAW_LOGPROBS, PROCESSED_LOGPROBS)
+"""Evaluation scores rewards; its logprobs are kept but enter no figure. Raw where the
+engine can give them: the model's own log softmax, which under the default greedy
+``eval_sampling_params`` still says how sure the model was (processed logprobs of a
+greedy token are all 0); otherwise the server's one mode (vLLM's processed)."""
 
-    @property
-    def supports_packed_body(self) -> bool:
-        """Read only when routes are requested (stand-ins without routes may omit it)."""
-        ...
 
-    async def generate(
-        self,
-        *,
-        prompt_token_ids: Sequence[int],
-        sampling_params: Any,
-        return_routed_experts: bool = False,
-        routed_experts_prompt_start: int | None = None,
-        return_packed_body: bool = False,
-        return_sample_support: bool | int = False,
-    ) -> Any: ...
+def choose_logprobs_mode(
+    clients: Sequence[GenerateClient], accepted: Sequence[str], *, purpose: str
+) -> str:
+    """The first of ``accepted`` (the purpose's modes, most wanted first) that every
+    client declares in ``supported_logprobs_modes``, so one output is in one mode
+    whichever server a trajectory went to. ``ConfigValidationError`` naming the backend
+    key when there is none: refused before any request."""
+    for mode in accepted:
+        if all(mode in client.supported_logprobs_modes for client in clients):
+            return mode
+    declared = sorted({m for client in clients for m in client.supported_logprobs_modes})
+    raise ConfigValidationError(
+        "generator.inference_engine.backend",
+        expected=f"an engine whose clients report one of {list(accepted)} ({purpose})",
+        got=f"clients reporting {declared}",
+    )
 
 
 class Episode(Protocol):

@@ -28,10 +28,13 @@ from skyrl_train.config.schema import (
 from skyrl_train.config.validate import check_sampling_params
 from skyrl_train.errors import ConfigValidationError, RouteTraceError
 from skyrl_train.generators.base import (
+    EVALUATION_LOGPROBS_MODES,
+    TRAINING_LOGPROBS_MODES,
     Episode,
     GenerateClient,
     GeneratorInput,
     GeneratorOutput,
+    choose_logprobs_mode,
     reported_solved,
 )
 from skyrl_train.generators.rendering import ChatTemplateRenderer, ObservationRenderer
@@ -65,7 +68,9 @@ class GymGenerator:
         ``evaluation``: sample with ``eval_sampling_params`` and request no routes;
         otherwise ``sampling_params``, with routes iff
         ``inference_engine.enable_return_routed_experts`` (R3; off, nothing about
-        routes is sent or kept). ``progress``: a tqdm bar over finished trajectories.
+        routes is sent or kept). Either way the logprobs mode is the first of the
+        purpose's (``TRAINING_LOGPROBS_MODES``, ``EVALUATION_LOGPROBS_MODES``) that
+        every client supports. ``progress``: a tqdm bar over finished trajectories.
         ``stop_token_ids``: None means the renderer's end-of-turn token.
         ``vocab_size``: the model's; with top-p alone every position's kept set is
         asked for this wide (None: ``max_sample_support_k`` wide)."""
@@ -82,10 +87,12 @@ class GymGenerator:
         self.return_routed_experts = (
             not evaluation and config.inference_engine.enable_return_routed_experts
         )
-        # Training scores every token under the distribution it was sampled from: the
-        # engine reports that distribution's logprobs and, with a top-k / top-p cut,
-        # each position's kept set, which the trainer replays (docs/design.md §7).
-        self.logprobs_mode = "raw_logprobs" if evaluation else "processed_logprobs"
+        # Asked of the clients, not fixed per purpose: a vLLM server reports one mode.
+        self.logprobs_mode = choose_logprobs_mode(
+            self.clients,
+            EVALUATION_LOGPROBS_MODES if evaluation else TRAINING_LOGPROBS_MODES,
+            purpose="evaluation" if evaluation else "training",
+        )
         self.support_k = (
             0
             if evaluation

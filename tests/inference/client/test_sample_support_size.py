@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from inference.client.results import GenerateResult
+from inference.client import GenerateResult
 from inference.client.side_channels import decode_side_channels
 from inference.errors import GenerateProtocolError
 from inference.wire import PackedField, pack_field, pack_sample_support

@@ -11,7 +11,7 @@ import orjson
 import pytest
 import torch
 
-import inference.client.client as client_module
+import inference.client.side_channels as side_channels
 from inference.client import GenerateRequest, RemoteGenerateClient
 from inference.errors import GenerateHTTPError
 from inference.models.tiny_moe import TinyMoEConfig, build_hf_model
@@ -159,7 +159,7 @@ def test_plain_generation_never_calls_the_splice(live_server, monkeypatch) -> No
         calls.append(len(raw))
         raise AssertionError("load_packed_body must not run for plain generation")
 
-    monkeypatch.setattr(client_module, "load_packed_body", forbidden)
+    monkeypatch.setattr(side_channels, "load_packed_body", forbidden)
 
     async def body(client: RemoteGenerateClient):
         plain = await client.generate(prompt_token_ids=PROMPT, sampling_params=GREEDY)

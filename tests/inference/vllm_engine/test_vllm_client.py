@@ -31,6 +31,7 @@ from inference.errors import (
 )
 from inference.vllm.client import VLLMClient
 from inference.vllm.senders import NCCLBucketSender
+from inference.vllm.spec import VLLM_LOGPROBS_MODE, VLLMServerSpec, vllm_command
 from inference.vllm.transport import bucket_dir
 from inference.wire.npy import encode_npy
 from skyrl_train.trainer.weight_sync import WeightSyncer
@@ -102,6 +103,10 @@ def test_both_clients_satisfy_the_protocol() -> None:
     assert isinstance(VLLMClient("http://127.0.0.1:1"), GenerateClient)
     assert isinstance(RemoteGenerateClient("http://127.0.0.1:1"), GenerateClient)
     assert VLLMClient.supports_packed_body is False and RemoteGenerateClient.supports_packed_body
+    # vLLM's mode is its server's --logprobs-mode, the one the launcher passes.
+    assert VLLMClient.supported_logprobs_modes == (VLLM_LOGPROBS_MODE,)
+    argv = vllm_command(VLLMServerSpec(checkpoint="/ckpt"), python="python", port=1)
+    assert argv[argv.index("--logprobs-mode") + 1] == VLLM_LOGPROBS_MODE
 
 
 @pytest.mark.parametrize(
@@ -249,8 +254,9 @@ def test_max_tokens_is_always_sent() -> None:
         (
             {"sampling_params": {"logprobs_mode": "raw_logprobs"}},
             RequestValidationError,
-            "$.sampling_params.logprobs_mode: expected 'processed_logprobs' (the mode the "
-            "vLLM server was started with), got 'raw_logprobs'",
+            "$.sampling_params.logprobs_mode: expected one of ['processed_logprobs'] "
+            "(supported_logprobs_modes: what this VLLMClient's engine reports) or None, "
+            "got 'raw_logprobs'",
         ),
         (
             {"sampling_params": {"logprobs": 5}},

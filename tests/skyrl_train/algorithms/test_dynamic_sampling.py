@@ -154,6 +154,8 @@ class _AlternatingClient:
     """No server: answers the samples of each prompt "A", "B", "A", ... in call order,
     so a group of two always holds one of each."""
 
+    supported_logprobs_modes = ("raw_logprobs", "processed_logprobs")
+
     def __init__(self, tokenizer: Any) -> None:
         self.replies = [tokenizer.encode(t, add_special_tokens=False) for t in ("A", "B")]
         self.calls: dict[tuple[int, ...], int] = {}

@@ -38,6 +38,7 @@ class VersionedClient:
     def __init__(self, script: list[list[Any]], *, packed: bool = True) -> None:
         self.script = script
         self.supports_packed_body = packed
+        self.supported_logprobs_modes = ("raw_logprobs", "processed_logprobs")
         self.calls: list[dict[str, Any]] = []
         self.turns: dict[int, int] = {}
 

@@ -80,6 +80,10 @@ class Wrapper:
         self.rewrite_result = rewrite_result
 
     @property
+    def supported_logprobs_modes(self) -> tuple[str, ...]:
+        return self.inner.supported_logprobs_modes
+
+    @property
     def supports_packed_body(self) -> bool:
         return self.inner.supports_packed_body
 
@@ -285,6 +289,7 @@ def test_routed_requests_ask_for_the_packed_body_and_parse_it_packed(tokenizer, 
     """With routes on, every reply's ids and logprobs come as envelopes: one packed
     splice and one packed-choice decode per request, nothing through per-token JSON."""
     import inference.client.client as client_module
+    import inference.client.side_channels as side_channels
 
     counts = {"splice": 0, "decode": 0}
 
@@ -296,7 +301,7 @@ def test_routed_requests_ask_for_the_packed_body_and_parse_it_packed(tokenizer, 
         return wrapped
 
     monkeypatch.setattr(
-        client_module, "load_packed_body", counted("splice", client_module.load_packed_body)
+        side_channels, "load_packed_body", counted("splice", side_channels.load_packed_body)
     )
     monkeypatch.setattr(
         client_module,
@@ -400,7 +405,7 @@ def test_a_calls_seed_gives_a_new_generators_first_call_seeds(tokenizer):
 
 
 def test_bad_inputs_fail_before_any_request(tokenizer):
-    wrapper = Wrapper(None)
+    wrapper = Wrapper(ScriptedClient())
     # A node built in Python skipped launch validation: the constructor checks it.
     with pytest.raises(
         ConfigValidationError, match=r"^generator.max_turns: expected an int >= 1, got 0"
@@ -439,6 +444,8 @@ class SolveEnv(skyrl_gym.Env):
 
 class ScriptedClient:
     """No server: every request gets the same two tokens back."""
+
+    supported_logprobs_modes = ("raw_logprobs", "processed_logprobs")
 
     async def generate(self, **kwargs: Any) -> Any:
         from types import SimpleNamespace

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from inference.client.results import GenerateResult, VersionSpan
+from inference.client import GenerateResult, VersionSpan
 from skyrl_train.dataset.batch import TrainingBatch
 from skyrl_train.errors import ServedWeightsError, SkyRLTrainError
 from skyrl_train.trainer.served_weights import (
