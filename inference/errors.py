@@ -15,6 +15,8 @@
         RetryLater              one attempt got 429/503 (client/retry.py; retried)
       Overloaded                the server's own "too many in flight" (server/app.py; a 503)
       EngineStartError          an engine server process never became healthy (vllm/process.py)
+      EngineStoppedError        an engine server stopped while a run used it (names each
+                                engine, with its log's last lines)
 
 Protocol and validation errors are deterministic: retrying sends the same bytes and
 gets the same failure, so they are ``ValueError`` subclasses and are never retried.
@@ -27,6 +29,9 @@ reads ``path: expected X, got Y``.
 
 from __future__ import annotations
 
+import os
+import re
+from pathlib import Path
 from typing import Any
 
 
@@ -115,8 +120,87 @@ class EngineStartError(InferenceError):
     def __init__(self, message: str, *, log_tail: str = "", log_path: str | None = None) -> None:
         self.log_tail = log_tail
         self.log_path = log_path
-        text = message
-        if log_tail:
-            where = f" ({log_path})" if log_path else ""
-            text += f"\n--- last log lines{where} ---\n{log_tail}"
-        super().__init__(text)
+        super().__init__(_with_log(message, log_tail, log_path))
+
+
+def _with_log(message: str, log_tail: str, log_path: str | None) -> str:
+    if not log_tail:
+        return message
+    where = f" ({log_path})" if log_path else ""
+    return f"{message}\n--- last log lines{where} ---\n{log_tail}"
+
+
+class EngineStoppedError(InferenceError):
+    """Engine servers stopped while a run used them: a process exited or was killed,
+    its actor died, or ``/health`` stopped answering 200 (vLLM's EngineCore died).
+
+    Not a ``ValueError``: the cause is in the engine's log, not in the request.
+    ``stopped`` holds one ``(engine, reason, log_excerpt, log_path)`` per engine
+    (``log_excerpt``: the log's first error and last lines), and the message each
+    engine's reason followed by its excerpt.
+    """
+
+    def __init__(self, message: str, stopped: list[tuple[str, str, str, str | None]]) -> None:
+        self.stopped = stopped
+        parts = [message]
+        for engine, reason, excerpt, _ in stopped:
+            parts.append(f"{engine}: {reason}" + (f"\n{excerpt}" if excerpt else ""))
+        super().__init__("\n".join(parts))
+
+
+def read_log_tail(path: str | Path, n: int = 40) -> str:
+    """The last ``n`` lines of a server's log file ("" when there is none); reads at
+    most its last 256 KiB, so a long run's log costs the same as a short one's."""
+    file = Path(path)
+    if not file.is_file():
+        return ""
+    with file.open("rb") as log:
+        log.seek(0, os.SEEK_END)
+        log.seek(max(0, log.tell() - 256 * 1024))
+        lines = log.read().decode("utf-8", errors="replace").splitlines()
+    return "\n".join(lines[-n:])
+
+
+_ERROR_LEVEL = re.compile(r"\bERROR\b")
+_EXCEPTION_LINE = re.compile(r"\b[A-Za-z_][\w.]*(Error|Exception)(: |$)")
+
+
+def read_first_error(path: str | Path, *, max_lines: int = 40) -> str:
+    """A log's first error: from its first ERROR-level line to the exception line that
+    ends that traceback (the exception line always kept, the lines between capped at
+    ``max_lines``); "" when the log has none. Where an engine died, that is the cause:
+    vLLM follows it with a traceback per failed request, hundreds of lines that push
+    it out of any tail (a seeded split-prompt crash logged 9,500 lines)."""
+    file = Path(path)
+    if not file.is_file():
+        return ""
+    block: list[str] = []
+    with file.open(encoding="utf-8", errors="replace") as log:
+        for raw in log:
+            line = raw.rstrip("\n")
+            if not block:
+                if _ERROR_LEVEL.search(line):
+                    block.append(line)
+                    if _EXCEPTION_LINE.search(line):
+                        break
+                continue
+            if len(block) < max_lines:
+                block.append(line)
+            if _EXCEPTION_LINE.search(line):
+                if len(block) == max_lines:
+                    block[-1] = line
+                break
+    return "\n".join(block)
+
+
+def log_excerpt(path: str | Path, n: int = 40) -> str:
+    """What a report of a stopped engine quotes from its log: the first error (when
+    the last ``n`` lines do not already hold it), then the last ``n`` lines, each under
+    a heading naming the file."""
+    first, tail = read_first_error(path), read_log_tail(path, n)
+    parts = []
+    if first and first not in tail:
+        parts.append(f"--- the first error in its log ({path}) ---\n{first}")
+    if tail:
+        parts.append(f"--- last log lines ({path}) ---\n{tail}")
+    return "\n".join(parts)

@@ -60,7 +60,7 @@ class CheckpointInfo:
 
 def _require_folder(path: Path) -> None:
     if not path.is_dir():
-        raise CheckpointFormatError("folder", "an existing checkpoint folder", str(path))
+        raise CheckpointFormatError("folder", "an existing checkpoint folder", f"{path}: not found")
     if not (path / "config.json").is_file():
         raise CheckpointFormatError("config.json", f"a file in {str(path)!r}", "none")
     if not any(path.glob("*.safetensors")):

@@ -94,6 +94,11 @@ class ServerThread:
             raise RuntimeError("ServerThread.url: expected a started server, got none")
         return self._server.url
 
+    @property
+    def alive(self) -> bool:
+        """Whether the server's thread runs: False before ``start`` and once it ended."""
+        return self._thread is not None and self._thread.is_alive()
+
     def start(self, *, timeout_s: float = 120.0) -> str:
         if self._thread is not None:
             raise RuntimeError(

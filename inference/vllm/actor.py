@@ -43,9 +43,13 @@ class VLLMServerActor:
     def log_tail(self, n: int = 40) -> str:
         return self._server.log_tail(n)
 
-    def exit_code(self) -> int | None:
-        """Not None once the server ended on its own: the launch asks after a failed step."""
-        return self._server.exit_code()
+    def log_excerpt(self, n: int = 40) -> str:
+        return self._server.log_excerpt(n)
+
+    def failure(self) -> str | None:
+        """Why the server no longer serves (its exit, or ``/health`` not 200), or None:
+        the launch asks after a failed step."""
+        return self._server.failure()
 
     def stop(self) -> None:
         self._url = None

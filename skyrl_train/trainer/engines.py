@@ -2,6 +2,11 @@
 (``generator.inference_engine.backend``: our server or a stock vLLM server per engine),
 or the servers the user started (``remote_urls``); stopped, every process of them,
 whatever ended the run.
+
+Each started server writes its own log to ``<log_dir>/engine-<i>.log`` (a launch passes
+``<run_dir>/engines``), which nothing deletes; an engine that stops mid-run ends the
+launch with ``EngineStoppedError`` naming it, with that log's last lines
+(docs/vllm.md).
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from inference.errors import EngineStoppedError, log_excerpt
 from skyrl_train.config.schema import InferenceEngineConfig
 
 logger = logging.getLogger(__name__)
@@ -20,6 +26,13 @@ _STOP_TIMEOUT_S = 60.0
 """A vLLM stop waits up to 15 s for SIGTERM and 5 s after SIGKILL (``VLLMServerProcess``);
 killing the actor before that returns would skip the group kill."""
 _KEY = "generator.inference_engine"
+_TAIL_LINES = 40
+"""Last log lines quoted per stopped engine, after the log's first error."""
+
+
+def engine_log(log_dir: Path, index: int) -> Path:
+    """Engine ``index``'s log file under ``log_dir``."""
+    return log_dir / f"engine-{index}.log"
 
 
 @dataclass
@@ -31,6 +44,9 @@ class Engines:
     sample_support_k: int = 0
     """The widest kept set a rollout asks for (``generator.max_sample_support_k``): the
     builtin server's own limit on ``return_sample_support`` is raised to it."""
+    log_dir: Path | None = None
+    """Where each started server writes ``engine-<i>.log``; None: the builtin server
+    logs nowhere and vLLM in a private temporary folder that ``stop`` removes."""
     urls: list[str] = field(default_factory=list)
     api_key: str | None = field(default=None, repr=False)
     handles: list[Any] = field(default_factory=list)
@@ -48,16 +64,17 @@ class Engines:
             return
         self.api_key = api_key
         for i in range(eng.num_engines):
+            log = None if self.log_dir is None else str(engine_log(self.log_dir, i))
             handle, url = (
-                self._start_vllm(checkpoint, api_key)
+                self._start_vllm(checkpoint, api_key, log)
                 if eng.backend == "vllm"
-                else self._start_builtin(checkpoint, api_key)
+                else self._start_builtin(checkpoint, api_key, log)
             )
             self.handles.append(handle)
             self.urls.append(url)
-            logger.info("inference engine %d (%s): %s", i, eng.backend, url)
+            logger.info("inference engine %d (%s): %s, log %s", i, eng.backend, url, log)
 
-    def _start_builtin(self, checkpoint: Path, api_key: str) -> tuple[Any, str]:
+    def _start_builtin(self, checkpoint: Path, api_key: str, log: str | None) -> tuple[Any, str]:
         from inference.server.actor import create_server_actor
         from inference.server.app import ServerConfig
         from inference.server.launch import EngineSpec
@@ -80,9 +97,10 @@ class Engines:
                 max_sample_support_k=max(ServerConfig.max_sample_support_k, self.sample_support_k),
             ),
             num_cpus=eng.num_cpus_per_engine,
+            log_file=log,
         )
 
-    def _start_vllm(self, checkpoint: Path, api_key: str) -> tuple[Any, str]:
+    def _start_vllm(self, checkpoint: Path, api_key: str, log: str | None) -> tuple[Any, str]:
         from inference.vllm.actor import create_vllm_server_actor
         from inference.vllm.spec import VLLMServerSpec
 
@@ -97,36 +115,38 @@ class Engines:
             kv_cache_memory_bytes=vllm.kv_cache_memory_bytes,
             startup_timeout_s=vllm.startup_timeout_s,
             extra_flags=dict(vllm.engine_init_kwargs),
+            log_file=log,
         )
         handle, url, _ = create_vllm_server_actor(spec, num_cpus=eng.num_cpus_per_engine)
         return handle, url
 
     def check_alive(self) -> None:
-        """Raise, naming the engine and its exit, when a started server ended on its
-        own: called after a run failed, so a killed server is reported as such rather
-        than as the connection error it caused."""
+        """Raise ``EngineStoppedError``, naming each engine this launch started that no
+        longer serves (its process exited, its actor died, ``/health`` is not 200) with
+        its log's first error and last lines: called after a run failed, so a dead engine is reported as
+        such rather than as the connection error or HTTP 500 it caused."""
         import ray
 
-        dead = []
+        stopped = []
         for i, handle in enumerate(self.handles):
+            log = None if self.log_dir is None else engine_log(self.log_dir, i)
             try:
-                if self.config.backend != "vllm":
-                    ray.get(handle.url.remote(), timeout=30)  # raises once the actor died
+                reason = ray.get(handle.failure.remote(), timeout=30)
+                if reason is None:
                     continue
-                code = ray.get(handle.exit_code.remote(), timeout=30)
-                if code is None:
-                    continue
-                tail = ray.get(handle.log_tail.remote(20), timeout=30)
-                dead.append(
-                    f"engine {i} ({self.urls[i]}): the vLLM server exited with code {code}; "
-                    f"its last log lines:\n{tail}"
-                )
-            except Exception as exc:  # the actor itself is gone
-                dead.append(f"engine {i} ({self.urls[i]}): its actor is gone ({exc!r})")
-        if dead:
-            raise RuntimeError(
+                excerpt = ray.get(handle.log_excerpt.remote(_TAIL_LINES), timeout=30)
+            except Exception as exc:  # the actor itself is gone: read its log here
+                first = (str(exc).strip().splitlines() or [""])[0][:200]
+                reason = f"its actor is gone ({type(exc).__name__}: {first})"
+                excerpt = "" if log is None else log_excerpt(log, _TAIL_LINES)
+            stopped.append(
+                (f"engine {i} ({self.urls[i]})", reason, excerpt, None if log is None else str(log))
+            )
+        if stopped:
+            raise EngineStoppedError(
                 f"{_KEY}: expected every {self.config.backend} engine to run until the end, "
-                f"got {len(dead)} that stopped mid-run: " + "\n".join(dead)
+                f"got {len(stopped)} that stopped mid-run:",
+                stopped,
             )
 
     def stop(self) -> None:

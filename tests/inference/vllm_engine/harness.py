@@ -53,15 +53,17 @@ def start_server(
     log_file: Path,
     env: dict[str, str] | None = None,
     dtype: str = "bfloat16",
+    extra_flags: dict[str, Any] | None = None,
 ) -> VLLMServerProcess:
     """A server with its log at ``log_file`` (pytest's temp folder keeps it for a look
-    after a failure)."""
+    after a failure); ``extra_flags``: more vLLM flags (``VLLMServerSpec.extra_flags``)."""
     spec = VLLMServerSpec(
         checkpoint=str(checkpoint),
         python=python,
         dtype=dtype,
         kv_cache_memory_bytes=KV_CACHE_BYTES,
         env=env or {},
+        extra_flags=extra_flags or {},
         log_file=str(log_file),
     )
     server = VLLMServerProcess(spec)

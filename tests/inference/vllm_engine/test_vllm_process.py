@@ -4,6 +4,7 @@ vLLM's Python, which forks a child into its group as vLLM forks its EngineCore).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -35,7 +36,8 @@ args = sys.argv[1:]
 port, key = int(args[args.index("--port") + 1]), os.environ["VLLM_API_KEY"]
 mode = os.environ.get("FAKE_MODE", "serve")
 record = {"argv": args, "cwd": os.getcwd(), "pythonpath": os.environ.get("PYTHONPATH"),
-          "dev_mode": os.environ.get("VLLM_SERVER_DEV_MODE"), "extra": os.environ.get("FAKE_EXTRA"), "pgid": os.getpgrp()}
+          "dev_mode": os.environ.get("VLLM_SERVER_DEV_MODE"), "extra": os.environ.get("FAKE_EXTRA"), "pgid": os.getpgrp(),
+          "offline": [os.environ.get("HF_HUB_OFFLINE"), os.environ.get("TRANSFORMERS_OFFLINE")]}
 with open(os.environ["FAKE_RECORD"], "w") as f:
     json.dump(record, f)
 print("fake vllm: starting", flush=True)
@@ -56,7 +58,8 @@ if mode == "hang":
 class Health(http.server.BaseHTTPRequestHandler):
     def do_GET(self):
         good = self.headers.get("Authorization") == f"Bearer {key}"
-        self.send_response(200 if self.path == "/health" and good else 401)
+        dead = os.path.exists(os.environ["FAKE_RECORD"] + ".dead")  # as vLLM's dead EngineCore
+        self.send_response((503 if dead else 200) if self.path == "/health" and good else 401)
         self.end_headers()
     def log_message(self, *a):
         pass
@@ -91,6 +94,8 @@ def test_start_waits_for_health_and_stop_ends_the_whole_group(fake) -> None:
         assert url.startswith("http://127.0.0.1:") and server.url == url
         record = json.loads(fake.record.read_text())
         assert record["dev_mode"] == "1" and record["extra"] == "x"
+        # Local folders only: a folder vLLM cannot find is never looked up on the hub.
+        assert record["offline"] == ["1", "1"]
         assert record["argv"][-2:] == ["--max-num-seqs", "8"]
         # vLLM's workers import the extension from a private folder holding only the
         # four import-free modules, which is also the working directory.
@@ -100,6 +105,7 @@ def test_start_waits_for_health_and_stop_ends_the_whole_group(fake) -> None:
         assert files == [
             "inference/__init__.py",
             "inference/vllm/__init__.py",
+            "inference/vllm/seeded_sampling.py",
             "inference/vllm/transport.py",
             "inference/vllm/worker_extension.py",
         ]
@@ -211,8 +217,41 @@ def test_a_log_file_can_be_named(fake, tmp_path: Path) -> None:
 
 def test_a_missing_checkpoint_folder_fails_before_launch(fake, tmp_path: Path) -> None:
     spec = VLLMServerSpec(checkpoint=str(tmp_path / "absent"), python=sys.executable)
-    with pytest.raises(CheckpointFormatError, match="folder: expected an existing checkpoint"):
+    with pytest.raises(CheckpointFormatError) as info:
         VLLMServerProcess(spec).start()
+    assert str(info.value).startswith("folder: expected an existing checkpoint folder")
+    assert f"{tmp_path / 'absent'}: not found" in str(info.value)
+
+
+def test_a_relative_checkpoint_reaches_vllm_as_an_absolute_path(
+    fake, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # vLLM runs in its staging folder: a relative --model would name nothing there.
+    monkeypatch.chdir(tmp_path)
+    server = fake()
+    server = VLLMServerProcess(dataclasses.replace(server.spec, checkpoint="ckpt"))
+    server.start()
+    try:
+        argv = json.loads(fake.record.read_text())["argv"]
+        assert argv[argv.index("--model") + 1] == str(tmp_path / "ckpt")
+    finally:
+        server.stop()
+
+
+def test_failure_names_an_exit_or_a_health_that_is_not_200(fake) -> None:
+    server = fake()
+    assert server.failure() is None  # not started
+    server.start()
+    try:
+        assert server.failure() is None
+        Path(str(fake.record) + ".dead").touch()
+        assert server.failure() == "its /health answered 503 (vLLM's engine died)"
+        os.kill(server.pid or 0, signal.SIGKILL)
+        server._proc.wait()  # type: ignore[union-attr]
+        assert server.failure() == "the vLLM server exited with code -9"
+    finally:
+        server.stop()
+    assert server.failure() is None
 
 
 def test_a_python_that_is_not_executable_is_refused(tmp_path: Path) -> None:
