@@ -1,7 +1,8 @@
 """Run folders from the command line (issue 14): a ``-m`` sweep gives each job its own
 folder and job log, and a launch the config check refuses creates nothing. A folder
 belongs to one run whatever its trackers wrote (issue 25): a second fresh launch is
-refused before Ray starts and leaves the first run's files byte for byte."""
+refused before Ray starts and leaves the first run's files byte for byte; of two
+started together, exactly one runs (issue 38)."""
 
 from __future__ import annotations
 
@@ -45,6 +46,17 @@ def _launch(*args: str, cwd: Path, timeout: int) -> subprocess.CompletedProcess[
         capture_output=True,
         text=True,
         timeout=timeout,
+    )
+
+
+def _start(*args: str, cwd: Path) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "skyrl_train.entrypoints.main_base", *args],
+        cwd=cwd,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
 
 
@@ -124,10 +136,12 @@ def test_a_two_job_sweep_writes_two_run_folders(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_a_second_fresh_launch_into_a_tensorboard_run_is_refused_before_ray(
+def test_two_launches_together_one_runs_and_a_later_one_into_its_tensorboard_run_is_refused(
     tmp_path: Path,
 ) -> None:
-    # No metrics.jsonl with this tracker: the refusal must key on the run's other files.
+    # Two fresh launches started together into one free folder (issue 38): exactly one
+    # runs; the other is refused before Ray, naming it (or, had the first already
+    # finished, its files).
     run_dir = tmp_path / "run"
     args = [
         *TINY_RUN,
@@ -135,7 +149,16 @@ def test_a_second_fresh_launch_into_a_tensorboard_run_is_refused_before_ray(
         "logging.trackers=[tensorboard]",
         f"trainer.run_dir={run_dir}",
     ]
-    first = _launch(*args, cwd=tmp_path, timeout=500)
+    together = [_start(*args, cwd=tmp_path) for _ in range(2)]
+    outputs = [proc.communicate(timeout=500) for proc in together]
+    ran = [i for i, proc in enumerate(together) if proc.returncode == 0]
+    assert len(ran) == 1, [err[-3000:] for _, err in outputs]
+    first = subprocess.CompletedProcess(args, 0, *outputs[ran[0]])
+    out, err = outputs[1 - ran[0]]
+    held = f"held by the launch of pid {together[ran[0]].pid} on host " in err
+    assert held or "trainer.run_dir: expected a folder no other run has written to" in err, err
+    assert "Started a local Ray instance" not in out + err
+    # No metrics.jsonl with this tracker: the refusal must key on the run's other files.
     assert first.returncode == 0, first.stderr[-4000:]
     assert (run_dir / "checkpoints" / "step_000001").is_dir()
     assert any((run_dir / "tensorboard").iterdir())
@@ -148,6 +171,7 @@ def test_a_second_fresh_launch_into_a_tensorboard_run_is_refused_before_ray(
     second = _launch(*args, cwd=tmp_path, timeout=300)
     assert second.returncode != 0
     assert "trainer.run_dir: expected a folder no other run has written to" in second.stderr
-    assert "checkpoints/step_000001 (" in second.stderr and "tensorboard (" in second.stderr
+    # The first few artefacts are named, the rest counted.
+    assert "checkpoints/step_000001 (" in second.stderr
     assert "Started a local Ray instance" not in second.stdout + second.stderr
     assert snapshot(run_dir) == before
