@@ -134,8 +134,8 @@ class GRPOLoop:
         self._generators: dict[tuple[bool, tuple[int, ...]], GymGenerator] = {}
         """Holding the clients keeps their ids unique while they key a generator."""
         """The policy version the servers hold: the last step whose weights were pushed."""
-        self._probe_ids: list[int] | None = None
-        """The served-weights check's prompt, rendered at its first use."""
+        self._probe_ids: list[list[int]] | None = None
+        """The served-weights check's prompts, rendered at its first use."""
         self._version_changed: asyncio.Condition | None = None
         """Made per ``run``: asyncio primitives bind to the event loop that first uses them."""
 
@@ -212,18 +212,23 @@ class GRPOLoop:
         raises ``ServedWeightsError`` naming the engine and its worst token."""
         started = time.perf_counter()
         if self._probe_ids is None:
-            # The first training prompt as the generator renders it: a probe from the
-            # distribution the run samples, the same one at every check.
+            # The first training prompts as the generator renders them: probes from the
+            # distribution the run samples, the same ones at every check.
             renderer = ChatTemplateRenderer(self.tokenizer)
-            self._probe_ids = renderer.initial(self.datasets.train[0].prompt)
+            self._probe_ids = served_weights.probe_prompts(
+                renderer.initial(task.prompt) for task in self.datasets.train
+            )
+        eng, mc = self.cfg.generator.inference_engine, self.cfg.trainer.policy.megatron_config
         checks = await served_weights.check_served_weights(
             clients,
             self.server_urls,
             self.policy.score,
-            prompt_ids=self._probe_ids,
+            prompts=self._probe_ids,
             pad_token_id=self.pad_token_id,
             policy_version=policy_version,
-            tolerance=self.cfg.generator.inference_engine.verify_weights_tolerance,
+            tolerance=eng.verify_weights_tolerance,
+            # Engine routes replayed: the bound then compares weights, not routing.
+            routes=eng.enable_return_routed_experts and mc.moe_enable_routing_replay,
         )
         metrics = served_weights.check_metrics(checks)
         metrics["timing/verify_weights_s"] = time.perf_counter() - started
