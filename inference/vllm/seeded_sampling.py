@@ -29,7 +29,7 @@ the same tokens as on the default 2048-token budget, where no prompt is split.
 
 Why this and not the alternatives (docs/vllm.md):
 - server flags that avoid split prompts (``--no-enable-chunked-prefill``) need
-  ``max_num_batched_tokens >= max_model_len`` (vLLM's scheduler config refuses less),
+  ``max_num_batched_tokens >= max_model_len`` (a 64-token budget: refused at start),
   so the launch would have to forbid the user's own budget and chunking settings;
 - no per-request generators (unseeded requests) would give up reproducible rollouts.
 
