@@ -3,7 +3,8 @@
 Server side: ``spec`` (what to start and with which flags), ``process`` (a stock vLLM
 OpenAI server process and its whole process group), ``actor`` (the same as a Ray
 actor), ``worker_extension`` (loaded into vLLM's workers: the CPU weight transport and
-the MoE reload guard). ``transport`` is the contract both sides import. Client side:
+the MoE reload guard) with ``seeded_sampling`` (seeded requests that survive a split
+prompt). ``transport`` is the contract both sides import. Client side:
 ``client`` (token-in/token-out generation), ``replies`` (a vLLM reply as a
 ``GenerateResult``), ``push`` and ``senders`` (a weight push over vLLM's RL API).
 

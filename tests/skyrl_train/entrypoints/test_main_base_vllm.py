@@ -100,12 +100,16 @@ def train(overrides: list[str]) -> tuple[list[dict[str, float]], float]:
     return history, setup_s
 
 
-def vllm_server_pids() -> set[int]:
+def vllm_server_pids(checkpoint: Path) -> set[int]:
+    """vLLM API servers serving ``checkpoint``: the ones these tests start (another
+    session on the machine may run servers of its own)."""
+    model = str(checkpoint.resolve()).encode()
     pids = set()
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
-                if API_SERVER in Path(f"/proc/{entry}/cmdline").read_bytes():
+                argv = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
+                if API_SERVER in argv and model in argv:
                     pids.add(int(entry))
             except OSError:
                 continue
@@ -129,7 +133,7 @@ def assert_r2_steps(history: list[dict[str, float]]) -> None:
 
 @needs_vllm
 def test_three_r2_steps_on_vllm_match_the_builtin_engine(tmp_path: Path, checkpoint: Path) -> None:
-    before = vllm_server_pids()
+    before = vllm_server_pids(checkpoint)
     builtin, builtin_setup = train(r2_run(tmp_path / "builtin", checkpoint))
     vllm, vllm_setup = train(r2_run(tmp_path / "vllm", checkpoint, *vllm_keys()))
     for history in (builtin, vllm):
@@ -148,7 +152,7 @@ def test_three_r2_steps_on_vllm_match_the_builtin_engine(tmp_path: Path, checkpo
     )
     # Both are bf16 rollouts against the fp32 trainer: the same order of magnitude.
     assert mean["vllm"] < 10 * mean["builtin"] and mean["builtin"] < 10 * mean["vllm"], mean
-    assert vllm_server_pids() - before == set(), "a vLLM server outlived the launch"
+    assert vllm_server_pids(checkpoint) - before == set(), "a vLLM server outlived the launch"
 
 
 def assert_seeded_tokens_survive_a_split(server: Any, log: Path, *, budget: int) -> None:
@@ -301,7 +305,7 @@ def test_a_run_ended_mid_way_leaves_no_vllm_process(
     """A vLLM server killed mid-run ends the launch naming the engine, with its log's
     last lines; Ctrl-C ends it too. Either way every vLLM process (the whole group),
     actor and Ray daemon goes, and the server's log stays in the run folder."""
-    before_servers = vllm_server_pids()
+    before_servers = vllm_server_pids(checkpoint)
     ours = lambda: ray_daemon_pids().union(  # noqa: E731
         ray_actor_pids("PolicyTrainer"), ray_actor_pids("VLLMServerActor")
     )
@@ -333,7 +337,7 @@ def test_a_run_ended_mid_way_leaves_no_vllm_process(
             assert proc.poll() is None, proc.stderr.read()[-3000:] if proc.stderr else ""
             assert time.monotonic() < deadline, "no training step finished in 400 s"
             time.sleep(0.5)
-        (server,) = vllm_server_pids() - before_servers
+        (server,) = vllm_server_pids(checkpoint) - before_servers
         if ending == "server_killed":
             os.kill(server, signal.SIGKILL)  # the API server only: its EngineCore lives on
         else:
@@ -368,7 +372,7 @@ def test_a_run_ended_mid_way_leaves_no_vllm_process(
         assert "KeyboardInterrupt" in stderr, stderr[-4000:]
     # The whole group went: API server, EngineCore and its worker.
     assert group_members(server) == []
-    assert vllm_server_pids() - before_servers == set()
+    assert vllm_server_pids(checkpoint) - before_servers == set()
     assert new_pids(ours, before) == set()
     assert 1 <= len(metrics.read_text().splitlines()) < 200
 
