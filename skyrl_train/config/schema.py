@@ -178,12 +178,15 @@ class InferenceEngineConfig:
     """Ray CPU reservation of one server actor."""
     verify_weights_interval: int = setting(10, ge=0)
     """Check that every engine serves the trainer's weights after the launch's push and
-    after every N-th step's (``trainer.served_weights``); 0 never checks. One greedy
-    probe request per engine and one trainer forward: ~0.1 s on the tiny model."""
+    after every N-th step's (``trainer.served_weights``); 0 never checks. Four greedy
+    probe requests per engine and one trainer forward."""
     verify_weights_tolerance: float = setting(0.1, gt=0.0)
-    """The bound on the probe's median |served - trainer| logprob, in nats. Measured on
-    the tiny model: bf16 engines against the fp32 trainer 0.005-0.05 (vLLM 0.005-0.012,
-    builtin 0.018-0.047); vLLM's MoE reload bug 0.14-0.44 there, more on a real model."""
+    """The bound, in nats, on every probe's median |served - trainer| logprob when the
+    engine's routes are replayed, else on the median over all probes' tokens
+    (``trainer.served_weights``). Measured over four families and the built-in model
+    (scripts/bench_served_weights.py): bf16 engines against the fp32 trainer at most
+    0.032 replayed, 0.055 unreplayed (vLLM); wrong weights 0.56 and more, vLLM's MoE
+    reload bug 0.36 and more (docs/vllm.md)."""
 
 
 @dataclass

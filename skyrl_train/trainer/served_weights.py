@@ -16,15 +16,17 @@ served-weights check"; numbers from ``scripts/bench_served_weights.py``):
 
 - **Routes came back** (the builtin engine with route capture): the trainer replays
   them, as it does for a training batch, so both sides compute with one routing and
-  the difference is weights and numerics alone. Bounded: the largest per-probe
-  median. Healthy bf16 engines, 4 families + the built-in model, 4 seeds, 8 prompts
-  each: at most 0.035 (single tokens up to 0.2); fp32 engines 0.
+  the difference is weights and numerics alone. Bounded: every probe's median. Bf16
+  engines, the built-in model and 4 families' tiny checkpoints, 4 seeds each: at most
+  0.032 (single tokens up to 0.16); fp32 engines 0; wrong weights 0.69 and more.
 - **No routes** (vLLM's CPU build): the trainer routes on its own, and a bf16 engine
-  sends the odd token whose experts are a near-tie elsewhere. One such flip moved a
-  whole probe: its median up to 0.18 and its mean up to 0.6 on a Mixtral with
-  ``initializer_range`` 0.2. A flip moves the probe it happens in, and wrong weights
-  move every probe, so the bound is on the *smallest* per-probe median: at most 0.025
-  healthy, at least 1.7 with another seed's weights or experts.
+  sends the odd token whose experts are a near-tie elsewhere. A flip changes what
+  every later token of its probe attends to: one probe's median reached 0.18 (a
+  top-2 Mixtral, ``initializer_range`` 0.2), over the bound it was once held to
+  alone. Bounded: the median over all probes' tokens together, which a flip moving a
+  quarter of them cannot carry; wrong weights move every probe. Healthy at most 0.049
+  (builtin bf16) and 0.055 (vLLM); wrong weights 0.57 and more, the MoE reload bug
+  0.36 and more.
 """
 
 from __future__ import annotations
