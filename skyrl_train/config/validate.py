@@ -120,6 +120,8 @@ class _Unsupported:
     else its repr."""
     replay_only: bool = True
     """False: refused with or without routing replay."""
+    launch_only: bool = False
+    """True: refused at launch validation; the worker itself (``launch=False``) runs it."""
 
 
 def _layout_stages(settings: Mapping[str, Any]) -> int | None:
@@ -183,9 +185,10 @@ _PROVEN_STAGES = ", ".join(
     f"{v} virtual stages at pipeline size {p}" for p, v in sorted(PROVEN_VPP_WITH_REPLAY)
 )
 _TP_WHY = (
-    "the worker's log-softmax would run over one shard of the vocabulary, and its gradient "
-    "sync and clipping know no tensor-parallel group; with replay each router would also "
-    "see only a shard of the tokens its replay target covers"
+    "the Megatron worker runs TP > 1 with sequence parallelism and replay "
+    "(tests/skyrl_train/workers/test_megatron_tensor_parallel.py), but a launch's data "
+    "sharding, metrics and weight push treat every trainer rank as a data-parallel rank, "
+    "which no test has run with tensor-parallel ranks yet (docs/parallel-layouts.md)"
 )
 _GRAPH_WHY = (
     "a captured CUDA graph reads the replay target it was captured with, and the default "
@@ -199,20 +202,24 @@ UNSUPPORTED_MEGATRON_SETTINGS: tuple[_Unsupported, ...] = (
         "1",
         _TP_WHY,
         replay_only=False,
+        launch_only=True,
     ),
     _Unsupported(
         "context_parallel_size",
         lambda s: s.get("context_parallel_size", 1) > 1,
         "1",
-        "each rank would hold a slice of every sequence, while the worker's log-probs, "
-        "loss and replayed routes cover whole sequences",
+        "megatron-core 0.16's context-parallel attention is Transformer Engine's "
+        "(its local DotProductAttention asserts 'Context parallelism is only supported by "
+        "TEDotProductAttention!'), and Transformer Engine does not install on CPU, so "
+        "no test here can run it",
         replay_only=False,
     ),
     _Unsupported(
         "sequence_parallel",
-        lambda s: bool(s.get("sequence_parallel")),
-        "false",
-        "it needs tensor_model_parallel_size > 1, which the worker refuses",
+        lambda s: bool(s.get("sequence_parallel")) and s.get("tensor_model_parallel_size", 1) <= 1,
+        "false at tensor_model_parallel_size 1",
+        "megatron-core refuses sequence parallelism without tensor parallelism; with "
+        "tensor_model_parallel_size > 1 it is on by default",
         replay_only=False,
     ),
     _Unsupported(
@@ -290,12 +297,18 @@ UNSUPPORTED_MEGATRON_SETTINGS: tuple[_Unsupported, ...] = (
 )
 """What ``refuse_replay_incompatible`` refuses, in the order it checks: megatron-core
 settings under which routing replay silently fails or crashes late (most of which
-megatron-core does not check), and the parallelisms the worker's loss and gradient code
-do not implement, refused with or without replay."""
+megatron-core does not check), and parallel layouts refused with or without replay: by
+the worker too (context parallelism, sequence parallelism at TP=1) or, ``launch_only``,
+by launch validation alone (tensor parallelism, which the worker runs:
+docs/parallel-layouts.md)."""
 
 
 def refuse_replay_incompatible(
-    mc: MegatronConfig, *, key_prefix: str, resolved: Mapping[str, Any] | None = None
+    mc: MegatronConfig,
+    *,
+    key_prefix: str,
+    resolved: Mapping[str, Any] | None = None,
+    launch: bool = True,
 ) -> None:
     """Refuse, naming the key, a setting of ``UNSUPPORTED_MEGATRON_SETTINGS``: every row
     while routing replay is on, the rows marked ``replay_only=False`` always.
@@ -319,6 +332,8 @@ def refuse_replay_incompatible(
         settings = {**top, **mc.transformer_config_kwargs}
     replay = bool(settings.get("moe_enable_routing_replay"))
     for rule in UNSUPPORTED_MEGATRON_SETTINGS:
+        if rule.launch_only and not launch:
+            continue
         if (rule.replay_only and not replay) or not rule.refused(settings):
             continue
         passthrough = rule.field in mc.transformer_config_kwargs

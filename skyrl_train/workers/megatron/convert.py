@@ -40,6 +40,7 @@ import torch
 
 from inference.models.architecture import Family, MoEArchitecture
 from inference.models.families import family_named
+from skyrl_train.workers.megatron.tensor_parallel import is_gated, shard_of, unshard, whole_shape_of
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _EXPERTS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
@@ -167,14 +168,17 @@ def _export_own(chunks: Sequence[Any], arch: MoEArchitecture) -> Iterator[tuple[
     fused = _fused_entries(arch, family)
     _ep_rank, ep_size, ep_group = _group("expert")
     if chunks[0].pre_process:
-        yield (
-            "model.embed_tokens.weight",
-            chunks[0].embedding.word_embeddings.weight.detach().clone(),
-        )
+        embedding = chunks[0].embedding.word_embeddings.weight
+        yield "model.embed_tokens.weight", unshard(embedding, gated=False).clone()
     for layer in (layer for chunk in chunks for layer in chunk.decoder.layers):
         number = layer.layer_number - 1  # Megatron numbers layers from 1, globally
         prefix = f"model.layers.{number}"
-        params = {name: p.detach() for name, p in layer.named_parameters()}
+        params = {
+            name: unshard(p, gated=is_gated(name))
+            for name, p in layer.named_parameters()
+            if not name.startswith(_EXPERT_PREFIX)
+        }
+        experts_own = {n for n, _p in layer.named_parameters() if n.startswith(_EXPERT_PREFIX)}
         done: set[str] = set()
         for mg_suffix, entry in fused.items():
             if mg_suffix in params:
@@ -189,12 +193,12 @@ def _export_own(chunks: Sequence[Any], arch: MoEArchitecture) -> Iterator[tuple[
                 done.add(mg_suffix)
         if hasattr(layer.mlp, "experts"):
             experts = layer.mlp.experts.local_experts
-            fc1 = torch.stack([e.linear_fc1.weight.detach() for e in experts])
-            fc2 = torch.stack([e.linear_fc2.weight.detach() for e in experts])
+            fc1 = torch.stack([unshard(e.linear_fc1.weight, gated=True) for e in experts])
+            fc2 = torch.stack([unshard(e.linear_fc2.weight, gated=False) for e in experts])
             yield f"{prefix}.mlp.experts.gate_up_proj", _gather_experts(fc1, ep_size, ep_group)
             yield f"{prefix}.mlp.experts.down_proj", _gather_experts(fc2, ep_size, ep_group)
-            done.update(n for n in params if n.startswith(_EXPERT_PREFIX))
-        left = sorted(set(params) - done)
+            done.update(experts_own)
+        left = sorted((set(params) | experts_own) - done)
         if left:
             raise ValueError(
                 f"decoder.layers.{number}.{left[0]}: expected a mapping to a "
@@ -204,7 +208,7 @@ def _export_own(chunks: Sequence[Any], arch: MoEArchitecture) -> Iterator[tuple[
     if last.post_process:
         yield "model.norm.weight", last.decoder.final_layernorm.weight.detach().clone()
         if not arch.tie_word_embeddings:
-            yield "lm_head.weight", last.output_layer.weight.detach().clone()
+            yield "lm_head.weight", unshard(last.output_layer.weight, gated=False).clone()
 
 
 def _broadcast_stages(
@@ -267,7 +271,7 @@ def load_hf_weights(
         if name == "model.embed_tokens.weight":
             if not first.pre_process:
                 continue
-            _copy(first.embedding.word_embeddings.weight, tensor, name)
+            _copy_shard(first.embedding.word_embeddings.weight, tensor, name)
         elif name == "model.norm.weight":
             if not last.post_process:
                 continue
@@ -276,7 +280,7 @@ def load_hf_weights(
             if not last.post_process:
                 continue
             if not arch.tie_word_embeddings:
-                _copy(last.output_layer.weight, tensor, name)
+                _copy_shard(last.output_layer.weight, tensor, name)
         else:
             match = _LAYER.match(name)
             number = int(match.group(1)) if match is not None else -1
@@ -289,17 +293,20 @@ def load_hf_weights(
             params = dict(layer.named_parameters())
             direct = family.layer_table.get(suffix, "")
             if direct in params:
-                _copy(params[direct], tensor, name)
+                _copy_shard(params[direct], tensor, name, gated=is_gated(direct))
             elif suffix in part_of and part_of[suffix][0] in params:
                 mg_suffix, index = part_of[suffix]
                 entry, param = fused[mg_suffix], params[mg_suffix]
-                rows = entry.part_rows(param)[index]
-                _check_shape((rows, *param.shape[1:]), tensor, name)
+                whole_shape = whole_shape_of(param)
+                rows = entry.part_rows(whole_shape)[index]
+                _check_shape((rows, *whole_shape.shape[1:]), tensor, name)
                 parts = pending.setdefault((number, mg_suffix), {})
                 parts[index] = tensor
                 if len(parts) == len(entry.parts):
                     whole = entry.fuse([parts[i] for i in range(len(entry.parts))])
-                    _copy(param, whole, f"{name} (fused into {mg_suffix})")
+                    _copy_shard(
+                        param, whole, f"{name} (fused into {mg_suffix})", gated=is_gated(mg_suffix)
+                    )
                     del pending[(number, mg_suffix)]
             elif suffix in _EXPERTS and hasattr(layer.mlp, "experts"):
                 if tensor.dim() != 3 or tensor.shape[0] != arch.num_experts:
@@ -310,10 +317,11 @@ def load_hf_weights(
                 mine = tensor[ep_rank * local_experts : (ep_rank + 1) * local_experts]
                 attr = "linear_fc1" if suffix.endswith("gate_up_proj") else "linear_fc2"
                 for j, expert in enumerate(layer.mlp.experts.local_experts):
-                    _copy(
+                    _copy_shard(
                         getattr(expert, attr).weight,
                         mine[j],
                         f"{name}[{ep_rank * local_experts + j}]",
+                        gated=attr == "linear_fc1",
                     )
             else:
                 raise ValueError(f"{name}: expected {what}")
@@ -331,6 +339,15 @@ def load_hf_weights(
 def _check_shape(expected: tuple[int, ...], value: torch.Tensor, name: str) -> None:
     if tuple(expected) != tuple(value.shape):
         raise ValueError(f"{name}.shape: expected {tuple(expected)}, got {tuple(value.shape)}")
+
+
+def _copy_shard(
+    param: torch.Tensor, whole: torch.Tensor, name: str, *, gated: bool = False
+) -> None:
+    """Copy this rank's shard of the whole HF tensor ``whole`` into ``param``; the shape
+    check is on the whole tensor, so a message names the HF tensor's own shape."""
+    _check_shape(tuple(whole_shape_of(param).shape), whole, name)
+    _copy(param, shard_of(param, whole, gated=gated), name)
 
 
 def _copy(param: torch.Tensor, value: torch.Tensor, name: str) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -19,6 +20,48 @@ from skyrl_train.workers.megatron.pipeline import PipelineGroup
 
 def _is_expert(param: torch.Tensor) -> bool:
     return not getattr(param, "allreduce", True)
+
+
+def _tensor_parallel_group(expert: bool) -> tuple[int, Any]:
+    """(size, group) of the tensor-parallel group a parameter's shards span: the
+    expert one for expert parameters (``expert_tensor_parallel_size``)."""
+    from megatron.core import parallel_state
+
+    if expert:
+        return (
+            parallel_state.get_expert_tensor_parallel_world_size(),
+            parallel_state.get_expert_tensor_parallel_group(),
+        )
+    return (
+        parallel_state.get_tensor_model_parallel_world_size(),
+        parallel_state.get_tensor_model_parallel_group(),
+    )
+
+
+def _is_tensor_parallel_shard(param: torch.Tensor) -> bool:
+    return bool(getattr(param, "tensor_model_parallel", False))
+
+
+def sum_sequence_parallel_grads(model: torch.nn.Module) -> None:
+    """Add up over the tensor-parallel group the gradients of the parameters every TP
+    rank holds whole but feeds from its own part of the data: those Megatron marks
+    ``sequence_parallel`` (norms and routers, which see one sequence shard each) and
+    the q/k norms (which see one shard of the heads), as megatron-core's
+    ``finalize_model_grads`` does before its optimizer. Without it the TP ranks' copies
+    of those weights drift apart after the first step."""
+    from megatron.core import parallel_state
+
+    if parallel_state.get_tensor_model_parallel_world_size() == 1:
+        return
+    group = parallel_state.get_tensor_model_parallel_group()
+    for name, param in model.named_parameters():
+        if param.grad is None:
+            continue
+        partial = getattr(param, "sequence_parallel", False) or (
+            "q_layernorm" in name or "k_layernorm" in name
+        )
+        if partial:
+            torch.distributed.all_reduce(param.grad, group=group)
 
 
 def average_data_parallel_grads(params: Sequence[torch.nn.Parameter]) -> None:
@@ -50,14 +93,26 @@ def clip_grad_norm(
 
     dense_sq = torch.zeros((), dtype=torch.float64)
     expert_sq = torch.zeros((), dtype=torch.float64)
+    # Tensor-parallel shards, [dense, expert]: their squares add up over their TP group;
+    # a parameter every TP rank holds whole (and, synced, equal) counts once.
+    shard_sq = [torch.zeros((), dtype=torch.float64) for _ in range(2)]
     with_grad = [p for p in params if p.grad is not None]
     for p in with_grad:
         assert p.grad is not None
         sq = p.grad.detach().double().pow(2).sum().cpu()
-        if _is_expert(p):
+        expert = _is_expert(p)
+        if _is_tensor_parallel_shard(p):
+            shard_sq[int(expert)] += sq
+        elif expert:
             expert_sq += sq
         else:
             dense_sq += sq
+    for expert in (False, True):
+        size, group = _tensor_parallel_group(expert)
+        if size > 1:
+            torch.distributed.all_reduce(shard_sq[int(expert)], group=group)
+    dense_sq += shard_sq[0]
+    expert_sq += shard_sq[1]
     if parallel_state.get_expert_model_parallel_world_size() > 1:
         torch.distributed.all_reduce(
             expert_sq, group=parallel_state.get_expert_model_parallel_group()

@@ -111,6 +111,9 @@ def transformer_config_kwargs(arch: MoEArchitecture, mc: MegatronConfig) -> dict
         batch_p2p_comm=not cpu_compat_needed(),
         expert_model_parallel_size=mc.expert_model_parallel_size,
         context_parallel_size=mc.context_parallel_size,
+        # On whenever TP > 1, as SkyRL does: megatron-core 0.16's MoELayer raises in
+        # training with TP > 1 and no sequence parallelism (moe_layer.py).
+        sequence_parallel=mc.tensor_model_parallel_size > 1,
     )
     if mc.expert_tensor_parallel_size is not None:  # None: TransformerConfig's default (= TP)
         base["expert_tensor_parallel_size"] = mc.expert_tensor_parallel_size
@@ -142,11 +145,20 @@ def build_transformer_config(arch: MoEArchitecture, mc: MegatronConfig) -> Any:
             got=str(mc.pipeline_model_parallel_size),
         )
     kwargs = transformer_config_kwargs(arch, mc)
+    if mc.tensor_model_parallel_size > 1 and not kwargs["sequence_parallel"]:
+        raise ConfigValidationError(
+            f"{MEGATRON_CONFIG_KEY}.transformer_config_kwargs.sequence_parallel",
+            expected="true with tensor_model_parallel_size > 1 (megatron-core 0.16's MoE "
+            "layer refuses to train tensor-parallel without it)",
+            got="false",
+        )
     # On the kwargs first, so a refused value is named before megatron-core's own
     # checks reject it less clearly (bare asserts on the CUDA-graph flags).
-    refuse_replay_incompatible(mc, key_prefix=MEGATRON_CONFIG_KEY, resolved=kwargs)
+    refuse_replay_incompatible(mc, key_prefix=MEGATRON_CONFIG_KEY, resolved=kwargs, launch=False)
     config = TransformerConfig(**kwargs)
-    refuse_replay_incompatible(mc, key_prefix=MEGATRON_CONFIG_KEY, resolved=vars(config))
+    refuse_replay_incompatible(
+        mc, key_prefix=MEGATRON_CONFIG_KEY, resolved=vars(config), launch=False
+    )
     return config
 
 
@@ -237,6 +249,7 @@ def build_model_chunks(arch: MoEArchitecture, config: Any, *, seed: int) -> list
             vp_stage=stage,
             pp_rank=pp_rank,
         )
+        block = with_sequence_parallel_norms(block)
         if arch.qk_norm == "full":
             block.layer_specs = [with_full_width_qk_norm(spec) for spec in block.layer_specs]
         gpt = GPTModel(
@@ -260,6 +273,42 @@ def build_model_chunks(arch: MoEArchitecture, config: Any, *, seed: int) -> list
             gpt = gpt.cuda()
         chunks.append(gpt)
     return chunks
+
+
+class SequenceParallelRMSNorm(torch.nn.RMSNorm):
+    """torch's RMSNorm, built as Megatron builds a norm (``config, hidden_size, eps``),
+    that also runs under sequence parallelism.
+
+    megatron-core's local norm (``WrappedTorchNorm``, the spec without Transformer
+    Engine) asserts ``not sequence_parallel``, though a per-token norm computes the same
+    on a sequence shard; only its weight's gradient is then a partial sum, which the
+    worker adds up over the tensor-parallel group for every parameter marked
+    ``sequence_parallel`` (``gradients.py``), as Megatron's ``finalize_model_grads`` does.
+    """
+
+    def __init__(self, config: Any, hidden_size: int, eps: float = 1e-5, **_unused: Any) -> None:
+        super().__init__(hidden_size, eps=eps)
+        self.weight.sequence_parallel = bool(config.sequence_parallel)  # type: ignore[attr-defined]
+
+
+def with_sequence_parallel_norms(spec: Any) -> Any:
+    """``spec`` (a block, layer or submodule spec) with every ``WrappedTorchNorm`` swapped
+    for ``SequenceParallelRMSNorm``; the spec objects Megatron shares are not mutated."""
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    if spec is WrappedTorchNorm:
+        return SequenceParallelRMSNorm
+    if isinstance(spec, list):
+        return [with_sequence_parallel_norms(item) for item in spec]
+    if not dataclasses.is_dataclass(spec) or isinstance(spec, type):
+        return spec
+    changes = {}
+    for field in dataclasses.fields(spec):
+        value = getattr(spec, field.name)
+        swapped = with_sequence_parallel_norms(value)
+        if swapped is not value:
+            changes[field.name] = swapped
+    return dataclasses.replace(spec, **changes) if changes else spec
 
 
 class FlatRMSNorm(torch.nn.RMSNorm):

@@ -41,6 +41,13 @@ class LocalRouters:
     replay_enabled: bool
     chunks: tuple[int, ...]
     """The model chunk (virtual pipeline stage, 0 without one) of each local router."""
+    sequence_shards: int = 1
+    """Sequence-parallel shards (the tensor-parallel size with sequence parallelism on,
+    else 1): each router then sees only ``sequence_shard`` of every sequence."""
+    sequence_shard: int = 0
+    """This rank's shard: positions ``[r*S/n, (r+1)*S/n)`` of the sequence-first
+    ``[S, B, H]`` hidden states, as Megatron's ``scatter_to_sequence_parallel_region``
+    splits them before the first layer."""
 
     @property
     def num_layers(self) -> int:
@@ -100,7 +107,15 @@ def local_routers(chunks: Sequence[Any]) -> LocalRouters:
                 got=f"{len(registry)} registered (another model built since? layers {missing})",
             )
         found.sort(key=lambda item: order[id(item[0].router_replay)])
+    shards, shard = 1, 0
+    if config.sequence_parallel:
+        from megatron.core import parallel_state
+
+        shards = parallel_state.get_tensor_model_parallel_world_size()
+        shard = parallel_state.get_tensor_model_parallel_rank()
     return LocalRouters(
+        sequence_shards=shards,
+        sequence_shard=shard,
         modules=tuple(r for r, _n, _c in found),
         layers=tuple(n for _r, n, _c in found),
         moe_layers=moe_layers,
@@ -193,17 +208,42 @@ def validate_routes(
 
 
 def to_sequence_first(routes: torch.Tensor, routers: LocalRouters) -> list[torch.Tensor]:
-    """``[B, S, L_moe, K]`` -> one ``[S*B, K]`` int64 tensor per local router (row s*B+b),
-    each taken from that router's own route layer."""
+    """``[B, S, L_moe, K]`` -> one ``[S/n*B, K]`` int64 tensor per local router (row
+    s*B+b), each taken from that router's own route layer, for the tokens that router
+    sees: with sequence parallelism over n ranks, this rank's contiguous slice of the
+    sequence (positions ``[r*S/n, (r+1)*S/n)``), the rows its hidden states hold."""
     batch, seq, _layers, top_k = routes.shape
+    shards, shard = routers.sequence_shards, routers.sequence_shard
+    if seq % shards:
+        raise RouteReplayError(
+            "routed_experts",
+            expected=f"a sequence length divisible by {shards} sequence-parallel ranks",
+            got=f"{seq}",
+        )
+    local = seq // shards
     return [
-        routes[:, :, layer, :]
+        routes[:, shard * local : (shard + 1) * local, layer, :]
         .transpose(0, 1)
-        .reshape(seq * batch, top_k)
+        .reshape(local * batch, top_k)
         .to(torch.int64)
         .contiguous()
         for layer in routers.route_layers
     ]
+
+
+def gather_sequence_shards(rows: torch.Tensor, routers: LocalRouters) -> torch.Tensor:
+    """Sequence-first ``[S/n*B, ...]`` rows of every sequence-parallel rank, in rank
+    order: the whole sequence's ``[S*B, ...]`` (the identity without sequence
+    parallelism). Every rank of the tensor-parallel group must call it."""
+    if routers.sequence_shards == 1:
+        return rows
+    from megatron.core import parallel_state
+
+    parts = [torch.empty_like(rows) for _ in range(routers.sequence_shards)]
+    torch.distributed.all_gather(
+        parts, rows.contiguous(), group=parallel_state.get_tensor_model_parallel_group()
+    )
+    return torch.cat(parts)
 
 
 def clear_replay_state() -> None:
@@ -308,6 +348,7 @@ class DispatchCapture:
                 "tokens with another count; is moe_expert_capacity_factor set?)",
             )
         ids = routing_map.nonzero()[:, 1].reshape(tokens, top_k)
+        ids = gather_sequence_shards(ids, self._routers)
         rows = ids.reshape(seq, batch, top_k).transpose(0, 1).detach().cpu()
         self.got.setdefault(microbatch, {})[index] = rows
 

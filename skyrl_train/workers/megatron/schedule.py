@@ -29,6 +29,7 @@ from skyrl_train.workers.megatron.layout import (
     ContiguousBatch,
     filler_rows,
     make_contiguous,
+    pad_columns,
     pad_rows,
     route_filler_tensor,
     shift_rows,
@@ -61,19 +62,29 @@ class Microbatches:
     layouts: list[ContiguousBatch]
     """Each real microbatch left-packed (``make_contiguous``), its own rows only."""
     inputs: list[ContiguousBatch]
-    """What the schedule feeds: ``layouts`` padded to one row count and followed by
-    filler microbatches when pipelining needs them; ``layouts`` itself otherwise."""
+    """What the schedule feeds: ``layouts`` widened to a multiple of the
+    sequence-parallel size, and, when pipelining, padded to one row count and followed
+    by filler microbatches; ``layouts`` itself when neither applies."""
 
     @classmethod
     def prepare(
-        cls, micro: list[TrainingBatch], pipeline: PipelineGroup, *, pad_token_id: int
+        cls,
+        micro: list[TrainingBatch],
+        pipeline: PipelineGroup,
+        *,
+        pad_token_id: int,
+        sequence_shards: int = 1,
     ) -> Microbatches:
+        """``sequence_shards``: sequence-parallel ranks; each input's width is padded
+        to a multiple of it, since Megatron splits the sequence evenly."""
         layouts = [make_contiguous(mb, pad_token_id=pad_token_id) for mb in micro]
-        inputs = layouts
+        inputs = [
+            pad_columns(layout, sequence_shards, pad_token_id=pad_token_id) for layout in layouts
+        ]
         if pipeline.size > 1:
             rows = max(mb.batch_size for mb in micro)
-            inputs = [pad_rows(layout, rows, pad_token_id=pad_token_id) for layout in layouts]
-            blank = filler_rows(layouts[0], rows, pad_token_id=pad_token_id)
+            inputs = [pad_rows(layout, rows, pad_token_id=pad_token_id) for layout in inputs]
+            blank = filler_rows(inputs[0], rows, pad_token_id=pad_token_id)
             inputs = inputs + [blank] * (pipeline.padded_count(len(micro)) - len(micro))
         return cls(micro=micro, layouts=layouts, inputs=inputs)
 
@@ -196,7 +207,10 @@ def gather_routes(
                     expected="the router to dispatch in the forward",
                     got="nothing",
                 )
-        local = torch.stack([seen[i][: mb.batch_size] for i in range(len(routers.modules))], dim=2)
+        seq = layout.tokens.shape[1]  # the input's sequence-parallel padding dropped
+        local = torch.stack(
+            [seen[i][: mb.batch_size, :seq] for i in range(len(routers.modules))], dim=2
+        )
         local = shift_rows(local, -layout.shifts, route_filler_tensor(local))
         full = torch.zeros(*local.shape[:2], routers.num_layers, local.shape[3], dtype=local.dtype)
         full[:, :, list(routers.route_layers)] = local

@@ -37,7 +37,11 @@ from skyrl_train.dataset.batch import TrainingBatch, batch_to, slice_batch
 from skyrl_train.errors import ConfigValidationError, RouteReplayError
 from skyrl_train.workers.megatron import convert, replay
 from skyrl_train.workers.megatron.cpu_compat import apply_cpu_compat
-from skyrl_train.workers.megatron.gradients import average_data_parallel_grads, clip_grad_norm
+from skyrl_train.workers.megatron.gradients import (
+    average_data_parallel_grads,
+    clip_grad_norm,
+    sum_sequence_parallel_grads,
+)
 from skyrl_train.workers.megatron.layout import (
     SamplerReplay,
     response_logprobs,
@@ -312,6 +316,7 @@ class MegatronPolicyWorker:
             batches, head=loss, forward_only=False, replay=do_replay, capture=capture_routes
         )
         params = list(model.parameters())
+        sum_sequence_parallel_grads(model)
         average_data_parallel_grads(params)
         grad_norm = clip_grad_norm(
             params, max_norm=self.optimizer_config.max_grad_norm, pipeline=self._pipeline
@@ -343,7 +348,12 @@ class MegatronPolicyWorker:
             slice_batch(batch, start, min(start + size, batch.batch_size))
             for start in range(0, batch.batch_size, size)
         ]
-        return Microbatches.prepare(micro, self._pipeline, pad_token_id=self.pad_token_id)
+        return Microbatches.prepare(
+            micro,
+            self._pipeline,
+            pad_token_id=self.pad_token_id,
+            sequence_shards=self._require_routers().sequence_shards,
+        )
 
     def _run(
         self, batches: Microbatches, *, head: Head, forward_only: bool, replay: bool, capture: bool

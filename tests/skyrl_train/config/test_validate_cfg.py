@@ -180,8 +180,8 @@ REPLAY_REFUSALS = [
     ([*PP2_LAYERS8, f"{LAYOUT}='Et|t|t|t|t|t|t|tL'"], f"{KW}.pipeline_model_parallel_layout", "4 virtual stages at pipeline size 2"),
     ([*PP2, f"{LAYOUT}='Et|t|tL'"], f"{KW}.pipeline_model_parallel_layout", "cannot split over pipeline size 2"),
     ([*PP2, f"{LAYOUT}='Et|t|t|tL'", f"+{POLICY}.{KW}.recompute_granularity=selective"], f"{KW}.recompute_granularity", "got 'selective'"),
-    (["trainer.placement.num_trainers=2", f"{POLICY}.tensor_model_parallel_size=2"], "tensor_model_parallel_size", "one shard of the vocabulary"),
-    (["trainer.placement.num_trainers=2", f"{POLICY}.context_parallel_size=2"], "context_parallel_size", "a slice of every sequence"),
+    (["trainer.placement.num_trainers=2", f"{POLICY}.tensor_model_parallel_size=2"], "tensor_model_parallel_size", "as a data-parallel rank"),
+    (["trainer.placement.num_trainers=2", f"{POLICY}.context_parallel_size=2"], "context_parallel_size", "only supported by TEDotProductAttention"),
     ([f"+{POLICY}.{KW}.sequence_parallel=true"], f"{KW}.sequence_parallel", "got true"),
 ]  # fmt: skip
 
@@ -212,8 +212,8 @@ def test_every_unsupported_setting_has_a_refusal_case() -> None:
 def test_tensor_and_context_parallelism_are_refused_without_replay_too(
     overrides: list[str], key: str
 ) -> None:
-    # The vocab-sharded log-softmax and the clipping's missing TP group are wrong with
-    # or without replay; only the replay-specific reason is conditional.
+    # A launch's data sharding with TP ranks (untested) and CP's Transformer Engine
+    # attention are missing with or without replay; only the replay reasons are conditional.
     err = _refusal([*overrides, f"{POLICY}.moe_enable_routing_replay=false"])
     assert err.path == f"{POLICY}.{key}"
     assert "with routing replay" not in err.reason

@@ -97,15 +97,36 @@ def test_pipelines_refuse_tied_embeddings() -> None:
         MegatronPolicyWorker(tied, MegatronConfig(pipeline_model_parallel_size=2)).setup()
 
 
-def test_tensor_and_context_parallelism_are_refused_on_any_device_not_pipelines() -> None:
-    # Refused in build_transformer_config, whatever the device and with replay off too
-    # (the log-softmax and the gradient clipping are wrong under them either way).
-    for key in ("tensor_model_parallel_size", "context_parallel_size"):
-        for replay in (True, False):
-            mc = MegatronConfig(moe_enable_routing_replay=replay, **{key: 2})
-            with pytest.raises(ConfigValidationError, match=rf"^{KEY}\.{key}: expected 1 \("):
-                build_transformer_config(ARCH, mc)
+def test_context_parallelism_is_refused_on_any_device_and_tensor_parallelism_built() -> None:
+    # CP is refused in build_transformer_config whatever the device and with replay off
+    # too (megatron-core's CP attention is Transformer Engine's); TP builds, with
+    # sequence parallelism on, as the two-process tests run it.
+    for replay in (True, False):
+        mc = MegatronConfig(moe_enable_routing_replay=replay, context_parallel_size=2)
+        with pytest.raises(
+            ConfigValidationError, match=rf"^{KEY}\.context_parallel_size: expected 1 \("
+        ):
+            build_transformer_config(ARCH, mc)
+        tp = MegatronConfig(moe_enable_routing_replay=replay, tensor_model_parallel_size=2)
+        assert build_transformer_config(ARCH, tp).sequence_parallel is True
     build_transformer_config(ARCH, MegatronConfig(pipeline_model_parallel_size=2))
+
+
+def test_a_whole_projection_qk_norm_refuses_tensor_parallelism() -> None:
+    # OLMoE's q/k norm spans every head; a TP rank holds only some of them.
+    olmoe_like = dataclasses.replace(ARCH, qk_norm="full")
+    with pytest.raises(ConfigValidationError, match="q/k RMSNorm over the whole projection") as err:
+        build_transformer_config(olmoe_like, MegatronConfig(tensor_model_parallel_size=2))
+    assert err.value.path == f"{KEY}.tensor_model_parallel_size"
+
+
+def test_tensor_parallelism_without_sequence_parallelism_is_refused_naming_the_key() -> None:
+    mc = MegatronConfig(
+        tensor_model_parallel_size=2, transformer_config_kwargs={"sequence_parallel": False}
+    )
+    with pytest.raises(ConfigValidationError, match="refuses to train tensor-parallel") as err:
+        build_transformer_config(ARCH, mc)
+    assert err.value.path == f"{KEY}.{KW}.sequence_parallel"
 
 
 LAYOUT = "pipeline_model_parallel_layout"
@@ -124,7 +145,6 @@ WORKER_REFUSALS = [
     ({"pipeline_model_parallel_size": 2, "virtual_pipeline_model_parallel_size": 2,
       "transformer_config_kwargs": {"recompute_granularity": "selective"}}, f"{KW}.recompute_granularity"),
     ({"transformer_config_kwargs": {LAYOUT: "Ett|ttL"}}, f"{KW}.{LAYOUT}"),  # VPP=2 at PP=1
-    ({"tensor_model_parallel_size": 2}, "tensor_model_parallel_size"),
     ({"context_parallel_size": 2}, "context_parallel_size"),
     ({"transformer_config_kwargs": {"sequence_parallel": True}}, f"{KW}.sequence_parallel"),
 ]  # fmt: skip
@@ -139,8 +159,9 @@ def test_worker_build_refuses_each_setting_replay_cannot_honour(values: dict, ke
 
 
 def test_every_unsupported_setting_is_refused_at_worker_build() -> None:
+    # Launch-only rows (tensor parallelism) are refused by launch validation alone.
     covered = {key.rsplit(".", 1)[-1] for _values, key in WORKER_REFUSALS}
-    assert covered == {rule.field for rule in UNSUPPORTED_MEGATRON_SETTINGS}
+    assert covered == {r.field for r in UNSUPPORTED_MEGATRON_SETTINGS if not r.launch_only}
 
 
 def test_the_built_configs_derived_virtual_stages_are_checked_too() -> None:
