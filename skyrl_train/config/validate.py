@@ -120,8 +120,6 @@ class _Unsupported:
     else its repr."""
     replay_only: bool = True
     """False: refused with or without routing replay."""
-    launch_only: bool = False
-    """True: refused at launch validation; the worker itself (``launch=False``) runs it."""
 
 
 def _layout_stages(settings: Mapping[str, Any]) -> int | None:
@@ -184,26 +182,12 @@ _PROVEN = ", ".join(f"{v} at pipeline size {p}" for p, v in sorted(PROVEN_VPP_WI
 _PROVEN_STAGES = ", ".join(
     f"{v} virtual stages at pipeline size {p}" for p, v in sorted(PROVEN_VPP_WITH_REPLAY)
 )
-_TP_WHY = (
-    "the Megatron worker runs TP > 1 with sequence parallelism and replay "
-    "(tests/skyrl_train/workers/test_megatron_tensor_parallel.py), but a launch's data "
-    "sharding, metrics and weight push treat every trainer rank as a data-parallel rank, "
-    "which no test has run with tensor-parallel ranks yet (docs/parallel-layouts.md)"
-)
 _GRAPH_WHY = (
     "a captured CUDA graph reads the replay target it was captured with, and the default "
     "cuda_graph_scope captures whole layers, routers included; no test runs graphs with replay"
 )
 
 UNSUPPORTED_MEGATRON_SETTINGS: tuple[_Unsupported, ...] = (
-    _Unsupported(
-        "tensor_model_parallel_size",
-        lambda s: s.get("tensor_model_parallel_size", 1) > 1,
-        "1",
-        _TP_WHY,
-        replay_only=False,
-        launch_only=True,
-    ),
     _Unsupported(
         "context_parallel_size",
         lambda s: s.get("context_parallel_size", 1) > 1,
@@ -297,10 +281,8 @@ UNSUPPORTED_MEGATRON_SETTINGS: tuple[_Unsupported, ...] = (
 )
 """What ``refuse_replay_incompatible`` refuses, in the order it checks: megatron-core
 settings under which routing replay silently fails or crashes late (most of which
-megatron-core does not check), and parallel layouts refused with or without replay: by
-the worker too (context parallelism, sequence parallelism at TP=1) or, ``launch_only``,
-by launch validation alone (tensor parallelism, which the worker runs:
-docs/parallel-layouts.md)."""
+megatron-core does not check), and parallel layouts refused with or without replay
+(context parallelism, sequence parallelism at TP=1: docs/parallel-layouts.md)."""
 
 
 def refuse_replay_incompatible(
@@ -308,7 +290,6 @@ def refuse_replay_incompatible(
     *,
     key_prefix: str,
     resolved: Mapping[str, Any] | None = None,
-    launch: bool = True,
 ) -> None:
     """Refuse, naming the key, a setting of ``UNSUPPORTED_MEGATRON_SETTINGS``: every row
     while routing replay is on, the rows marked ``replay_only=False`` always.
@@ -332,8 +313,6 @@ def refuse_replay_incompatible(
         settings = {**top, **mc.transformer_config_kwargs}
     replay = bool(settings.get("moe_enable_routing_replay"))
     for rule in UNSUPPORTED_MEGATRON_SETTINGS:
-        if rule.launch_only and not launch:
-            continue
         if (rule.replay_only and not replay) or not rule.refused(settings):
             continue
         passthrough = rule.field in mc.transformer_config_kwargs
@@ -706,6 +685,9 @@ def _check_megatron(cfg: PPOConfig, arch: MoEArchitecture, mc: MegatronConfig, p
         "the attention head count",
     )
     _divides(tp, arch.num_kv_heads, f"{prefix}.tensor_model_parallel_size", "the KV head count")
+    if tp > 1:
+        _check_tensor_parallel(arch, mc, prefix, tp=tp, etp=etp)
+        _refuse_untested_tensor_parallel(mc, prefix, tp=tp, etp=etp, world=world)
     _divides(pp, arch.num_layers, f"{prefix}.pipeline_model_parallel_size", "the layer count")
     vpp = mc.virtual_pipeline_model_parallel_size
     if vpp is not None:
@@ -786,6 +768,60 @@ def _check_batch_sizes(cfg: PPOConfig) -> None:
 
 
 # ---------------------------------------------------------------------------- helpers
+
+
+def _check_tensor_parallel(
+    arch: MoEArchitecture, mc: MegatronConfig, prefix: str, *, tp: int, etp: int
+) -> None:
+    """What the worker would refuse at TP > 1 only after Ray started: shards of the
+    vocabulary and the MLPs must be whole, a q/k norm over the whole projection needs
+    every head, and megatron-core's MoE layer trains TP only with sequence parallelism."""
+    key = f"{prefix}.tensor_model_parallel_size"
+    _divides(tp, arch.vocab_size, key, "the vocabulary size")
+    if arch.dense_layers:
+        _divides(tp, arch.dense_ffn_hidden_size, key, "the dense MLP width")
+    if arch.shared_expert_ffn_hidden_size:
+        _divides(tp, arch.shared_expert_ffn_hidden_size, key, "the shared expert width")
+    etp_key = f"{prefix}.expert_tensor_parallel_size"
+    _divides(etp, arch.moe_ffn_hidden_size, etp_key, "the expert MLP width")
+    if arch.qk_norm == "full":
+        raise ConfigValidationError(
+            key,
+            expected=f"1 for a {arch.family} model (q/k RMSNorm over the whole projection)",
+            got=str(tp),
+        )
+    if mc.transformer_config_kwargs.get("sequence_parallel") is False:
+        raise ConfigValidationError(
+            f"{prefix}.transformer_config_kwargs.sequence_parallel",
+            expected="true with tensor_model_parallel_size > 1 (megatron-core 0.16's MoE "
+            "layer refuses to train tensor-parallel without it)",
+            got="false",
+        )
+
+
+TESTED_TENSOR_PARALLEL = 2
+"""The one TP size a launch test runs (tests/skyrl_train/entrypoints/
+test_main_base_tensor_parallel.py): TP=2 alone, ETP = TP, no other parallelism."""
+
+
+def _refuse_untested_tensor_parallel(
+    mc: MegatronConfig, prefix: str, *, tp: int, etp: int, world: int
+) -> None:
+    """Refuse at launch the tensor-parallel layouts no test has run yet
+    (docs/parallel-layouts.md), naming the key that leaves the tested one."""
+    why = f"only tensor_model_parallel_size={TESTED_TENSOR_PARALLEL} on its own is tested"
+    found = [
+        (f"{prefix}.tensor_model_parallel_size", str(TESTED_TENSOR_PARALLEL), tp),
+        (f"{prefix}.pipeline_model_parallel_size", "1", mc.pipeline_model_parallel_size),
+        (f"{prefix}.expert_model_parallel_size", "1", mc.expert_model_parallel_size),
+        (f"{prefix}.expert_tensor_parallel_size", f"null or {tp}", etp),
+        ("trainer.placement.num_trainers", str(tp), world),
+    ]
+    for key, expected, got in found:
+        if str(got) not in expected.split(" or "):
+            raise ConfigValidationError(
+                key, expected=f"{expected} with tensor parallelism ({why})", got=str(got)
+            )
 
 
 def _divides(divisor: int, total: int, key: str, total_key: str) -> None:

@@ -151,13 +151,19 @@ def load_rank_state(
     # Files written before layouts were recorded carry none; world size is their check.
     saved_layout = state.get("layout") or layout or {}
     for name, value in (layout or {}).items():
-        if saved_layout.get(name) != value:
+        # Files written before tensor parallelism was recorded could only be TP=1.
+        if saved_layout.get(name, LAYOUT_DEFAULTS.get(name)) != value:
             raise ConfigValidationError(
                 f"trainer.policy.megatron_config.{name}",
-                expected=f"the checkpoint's {saved_layout.get(name)!r} to resume {str(folder)!r}",
+                expected=f"the checkpoint's {saved_layout.get(name, LAYOUT_DEFAULTS.get(name))!r} "
+                f"to resume {str(folder)!r}",
                 got=repr(value),
             )
     return state
+
+
+LAYOUT_DEFAULTS = {"tensor_model_parallel_size": 1}
+"""The value of a layout key a rank file written before the key was recorded had."""
 
 
 def read_plain(path: Path, *, map_location: str | None = None) -> Any:

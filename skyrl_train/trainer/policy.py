@@ -79,6 +79,7 @@ class RankInfo:
     ep_size: int
     pp_rank: int = 0
     pp_size: int = 1
+    tp_size: int = 1
 
     @property
     def is_last_stage(self) -> bool:
@@ -149,6 +150,7 @@ class PolicyTrainer:
             ep_size=parallel_state.get_expert_model_parallel_world_size(),
             pp_rank=parallel_state.get_pipeline_model_parallel_rank(),
             pp_size=parallel_state.get_pipeline_model_parallel_world_size(),
+            tp_size=parallel_state.get_tensor_model_parallel_world_size(),
         )
         return self.info
 
@@ -462,10 +464,11 @@ class PolicyTrainer:
         return None
 
     def _join_export(self) -> None:
-        """A rank that neither pushes nor writes still runs the export when experts or
-        layers are sharded: the stream gathers them over the EP and pipeline groups, and
-        every rank of those groups must take part in lockstep."""
-        if self.info.ep_size > 1 or self.info.pp_size > 1:
+        """A rank that neither pushes nor writes still runs the export when experts,
+        layers or tensors are sharded: the stream gathers them over the EP, pipeline and
+        tensor-parallel groups, and every rank of those groups must take part in
+        lockstep."""
+        if self.info.ep_size > 1 or self.info.pp_size > 1 or self.info.tp_size > 1:
             for _ in self.worker.export_weights():
                 pass
 
@@ -527,6 +530,7 @@ class PolicyTrainer:
             "pipeline_model_parallel_size": mc.pipeline_model_parallel_size,
             "virtual_pipeline_model_parallel_size": mc.virtual_pipeline_model_parallel_size,
             "expert_model_parallel_size": mc.expert_model_parallel_size,
+            "tensor_model_parallel_size": mc.tensor_model_parallel_size,
         }
 
     def load_checkpoint(self, folder: str) -> None:

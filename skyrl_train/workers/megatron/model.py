@@ -154,11 +154,9 @@ def build_transformer_config(arch: MoEArchitecture, mc: MegatronConfig) -> Any:
         )
     # On the kwargs first, so a refused value is named before megatron-core's own
     # checks reject it less clearly (bare asserts on the CUDA-graph flags).
-    refuse_replay_incompatible(mc, key_prefix=MEGATRON_CONFIG_KEY, resolved=kwargs, launch=False)
+    refuse_replay_incompatible(mc, key_prefix=MEGATRON_CONFIG_KEY, resolved=kwargs)
     config = TransformerConfig(**kwargs)
-    refuse_replay_incompatible(
-        mc, key_prefix=MEGATRON_CONFIG_KEY, resolved=vars(config), launch=False
-    )
+    refuse_replay_incompatible(mc, key_prefix=MEGATRON_CONFIG_KEY, resolved=vars(config))
     return config
 
 

@@ -180,7 +180,6 @@ REPLAY_REFUSALS = [
     ([*PP2_LAYERS8, f"{LAYOUT}='Et|t|t|t|t|t|t|tL'"], f"{KW}.pipeline_model_parallel_layout", "4 virtual stages at pipeline size 2"),
     ([*PP2, f"{LAYOUT}='Et|t|tL'"], f"{KW}.pipeline_model_parallel_layout", "cannot split over pipeline size 2"),
     ([*PP2, f"{LAYOUT}='Et|t|t|tL'", f"+{POLICY}.{KW}.recompute_granularity=selective"], f"{KW}.recompute_granularity", "got 'selective'"),
-    (["trainer.placement.num_trainers=2", f"{POLICY}.tensor_model_parallel_size=2"], "tensor_model_parallel_size", "as a data-parallel rank"),
     (["trainer.placement.num_trainers=2", f"{POLICY}.context_parallel_size=2"], "context_parallel_size", "only supported by TEDotProductAttention"),
     ([f"+{POLICY}.{KW}.sequence_parallel=true"], f"{KW}.sequence_parallel", "got true"),
 ]  # fmt: skip
@@ -204,19 +203,44 @@ def test_every_unsupported_setting_has_a_refusal_case() -> None:
 @pytest.mark.parametrize(
     ("overrides", "key"),
     [
-        (["trainer.placement.num_trainers=2", f"{POLICY}.tensor_model_parallel_size=2"], "tensor_model_parallel_size"),
         (["trainer.placement.num_trainers=2", f"{POLICY}.context_parallel_size=2"], "context_parallel_size"),
+        (["trainer.placement.num_trainers=2", f"{POLICY}.tensor_model_parallel_size=2", f"+{POLICY}.{KW}.sequence_parallel=false"], f"{KW}.sequence_parallel"),
         ([f"+{POLICY}.{KW}.sequence_parallel=true"], f"{KW}.sequence_parallel"),
     ],
 )  # fmt: skip
-def test_tensor_and_context_parallelism_are_refused_without_replay_too(
-    overrides: list[str], key: str
-) -> None:
-    # A launch's data sharding with TP ranks (untested) and CP's Transformer Engine
-    # attention are missing with or without replay; only the replay reasons are conditional.
+def test_layouts_refused_without_replay_too(overrides: list[str], key: str) -> None:
+    # CP's Transformer Engine attention and megatron-core's TP-needs-SP rule hold with
+    # or without replay; only the replay reasons are conditional.
     err = _refusal([*overrides, f"{POLICY}.moe_enable_routing_replay=false"])
     assert err.path == f"{POLICY}.{key}"
     assert "with routing replay" not in err.reason
+
+
+def test_tensor_parallelism_with_sequence_parallelism_launches() -> None:
+    # docs/parallel-layouts.md: TP=2 (SP on by default) is accepted at launch.
+    validate_cfg(
+        load_config(["trainer.placement.num_trainers=2", f"{POLICY}.tensor_model_parallel_size=2"])
+    )
+
+
+TP2 = ["trainer.placement.num_trainers=4", f"{POLICY}.tensor_model_parallel_size=2"]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "key"),
+    [
+        ([*TP2, f"{POLICY}.pipeline_model_parallel_size=2"], f"{POLICY}.pipeline_model_parallel_size"),
+        ([*TP2, f"{POLICY}.expert_model_parallel_size=2"], f"{POLICY}.expert_model_parallel_size"),
+        ([*TP2[1:], "trainer.placement.num_trainers=2", f"{POLICY}.expert_tensor_parallel_size=1"], f"{POLICY}.expert_tensor_parallel_size"),
+        (TP2, "trainer.placement.num_trainers"),
+    ],
+)  # fmt: skip
+def test_untested_tensor_parallel_layouts_are_refused_before_ray(
+    overrides: list[str], key: str
+) -> None:
+    err = _refusal(overrides)
+    assert err.path == key
+    assert "only tensor_model_parallel_size=2 on its own is tested" in err.reason
 
 
 def test_without_replay_the_replay_only_settings_are_valid() -> None:

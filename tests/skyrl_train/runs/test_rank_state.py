@@ -395,3 +395,21 @@ def test_convert_help_warns_that_it_unpickles() -> None:
         check=True,
     ).stdout
     assert "WARNING: this script unpickles" in out and "--trust-source" in out
+
+
+def test_a_file_without_a_tensor_parallel_size_resumes_only_at_tp_1(tmp_path: Path) -> None:
+    # Written before the layout recorded tensor parallelism, when only TP=1 ran; a
+    # resume at another TP would load whole tensors into shards (docs/parallel-layouts.md).
+    from skyrl_train.errors import ConfigValidationError
+
+    old = {"pipeline_model_parallel_size": 1, "expert_model_parallel_size": 1}
+    state = {"world_size": 2, "layout": old, "model": {"w": torch.ones(2)}}
+    final = _commit(tmp_path, lambda path: save_rank_state(path, state))
+    now = {**old, "tensor_model_parallel_size": 1}
+    assert load_rank_state(final, rank=0, world_size=2, layout=now)["world_size"] == 2
+    with pytest.raises(ConfigValidationError) as info:
+        load_rank_state(
+            final, rank=0, world_size=2, layout={**now, "tensor_model_parallel_size": 2}
+        )
+    assert info.value.path == "trainer.policy.megatron_config.tensor_model_parallel_size"
+    assert "the checkpoint's 1 to resume" in info.value.reason

@@ -159,9 +159,8 @@ def test_worker_build_refuses_each_setting_replay_cannot_honour(values: dict, ke
 
 
 def test_every_unsupported_setting_is_refused_at_worker_build() -> None:
-    # Launch-only rows (tensor parallelism) are refused by launch validation alone.
     covered = {key.rsplit(".", 1)[-1] for _values, key in WORKER_REFUSALS}
-    assert covered == {r.field for r in UNSUPPORTED_MEGATRON_SETTINGS if not r.launch_only}
+    assert covered == {rule.field for rule in UNSUPPORTED_MEGATRON_SETTINGS}
 
 
 def test_the_built_configs_derived_virtual_stages_are_checked_too() -> None:
