@@ -13,9 +13,10 @@ into place; ``--out`` must be new, empty, or an earlier export (which it replace
 
 How: the checkpoint is verified against its manifest (a damaged one is refused naming
 the file), then the trainer ranks are started on a local Ray exactly as the run had them
-(its ``run_config.json``: world size, pipeline, virtual-pipeline and expert layout, the
-model folder), each loads its own rank file, and the weights stream out as in a weight
-sync: every pipeline stage and expert shard gathered, rank 0 writing. ``--model`` names
+(its ``run_config.json``: world size, pipeline, virtual-pipeline, expert and tensor
+layout, the model folder), each loads its own rank file, and the weights stream out as
+in a weight sync: every pipeline stage, expert and tensor shard gathered, rank 0
+writing. ``--model`` names
 the model folder when the run's (``model.path``) has moved; the built-in model's is
 rebuilt from its config if the cache was cleared.
 """
@@ -134,7 +135,8 @@ def export(plan: Plan, *, max_shard_bytes: int) -> Path:
         say(
             f"starting {placement.num_trainers} trainer rank(s): pipeline "
             f"{mc.pipeline_model_parallel_size} (virtual {mc.virtual_pipeline_model_parallel_size}), "
-            f"experts {mc.expert_model_parallel_size}; model {plan.model}"
+            f"experts {mc.expert_model_parallel_size}, tensor {mc.tensor_model_parallel_size}; "
+            f"model {plan.model}"
         )
         group = PolicyGroup.place(cfg, checkpoint=str(plan.model), pad_token_id=plan.pad_token_id)
         group.setup()

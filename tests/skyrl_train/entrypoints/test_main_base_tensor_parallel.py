@@ -8,6 +8,9 @@ both runs the same batch)."""
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,6 +24,8 @@ from skyrl_train.entrypoints.main_base import launch
 from skyrl_train.trainer.policy import RankInfo
 
 pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[3]
 
 MC = "trainer.policy.megatron_config"
 TENSOR_PARALLEL = with_overrides(
@@ -110,20 +115,51 @@ def test_the_first_step_is_the_one_rank_step(
         assert first[key] == pytest.approx(single[key], rel=1e-5, abs=1e-6), key
 
 
+def _weights(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    out: dict[str, torch.Tensor] = {}
+    for path in sorted(folder.glob("*.safetensors")):
+        out.update(load_file(str(path)))
+    return out
+
+
+def test_the_export_script_gathers_both_shards_of_a_checkpoint(
+    tensor_parallel: Run, tmp_path: Path
+) -> None:
+    """``scripts/export_hf.py`` rebuilds the TP=2 ranks from the step-1 checkpoint and
+    writes, tensor for tensor, the export the run wrote after the same step."""
+    run_dir = Path(tensor_parallel.cfg.trainer.run_dir)
+    out = tmp_path / "exported"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "scripts" / "export_hf.py"),
+            "--checkpoint",
+            str(run_dir / "checkpoints" / "step_000001"),
+            "--out",
+            str(out),
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "experts 1, tensor 2;" in proc.stdout, proc.stdout
+    exported, in_run = _weights(out), _weights(run_dir / "exports" / "global_step_1")
+    assert exported.keys() == in_run.keys()
+    assert all(torch.equal(exported[name], in_run[name]) for name in exported)
+
+
 def test_the_export_gathers_whole_tensors(
     tensor_parallel: Run, one_rank: tuple[dict[str, float], Path]
 ) -> None:
-    from safetensors.torch import load_file
-
-    def weights(folder: Path) -> dict[str, torch.Tensor]:
-        out: dict[str, torch.Tensor] = {}
-        for path in sorted(folder.glob("*.safetensors")):
-            out.update(load_file(str(path)))
-        return out
-
     step = Path("exports") / "global_step_1"
-    sharded = weights(Path(tensor_parallel.cfg.trainer.run_dir) / step)
-    single = weights(one_rank[1] / step)
+    sharded = _weights(Path(tensor_parallel.cfg.trainer.run_dir) / step)
+    single = _weights(one_rank[1] / step)
     assert {n: t.shape for n, t in sharded.items()} == {n: t.shape for n, t in single.items()}
     # AdamW's first step turns rounding in near-zero gradients into weight differences
     # (docs/parallel-layouts.md); the rest of the update is the one rank's. Measured on
