@@ -91,15 +91,17 @@ def clip_grad_norm(
     above it. ``max_norm`` <= 0 disables clipping (tests only: the schema wants > 0)."""
     from megatron.core import parallel_state
 
-    dense_sq = torch.zeros((), dtype=torch.float64)
-    expert_sq = torch.zeros((), dtype=torch.float64)
+    with_grad = [p for p in params if p.grad is not None]
+    # On the gradients' device: NCCL reduces only device tensors, gloo CPU ones.
+    device = with_grad[0].device if with_grad else torch.device("cpu")
+    dense_sq = torch.zeros((), dtype=torch.float64, device=device)
+    expert_sq = torch.zeros((), dtype=torch.float64, device=device)
     # Tensor-parallel shards, [dense, expert]: their squares add up over their TP group;
     # a parameter every TP rank holds whole (and, synced, equal) counts once.
-    shard_sq = [torch.zeros((), dtype=torch.float64) for _ in range(2)]
-    with_grad = [p for p in params if p.grad is not None]
+    shard_sq = [torch.zeros((), dtype=torch.float64, device=device) for _ in range(2)]
     for p in with_grad:
         assert p.grad is not None
-        sq = p.grad.detach().double().pow(2).sum().cpu()
+        sq = p.grad.detach().double().pow(2).sum()
         expert = _is_expert(p)
         if _is_tensor_parallel_shard(p):
             shard_sq[int(expert)] += sq
