@@ -105,9 +105,15 @@ def test_the_worker_extension_imports_only_what_vllm_has_and_what_is_staged() ->
         "inference",
     }
     ours = {name for name in imported if name.split(".")[0] == "inference"}
-    assert ours == {"inference.vllm.transport"}
+    assert ours == {"inference.vllm.transport", "inference.vllm.seeded_sampling"}
+    # What the extension imports of ours imports nothing of ours in turn, and nothing
+    # vLLM's environment lacks.
+    for module in sorted(ours):
+        path = Path(transport.__file__).with_name(module.rsplit(".", 1)[1] + ".py")
+        nested = {name.split(".")[0] for name in _imports(path)}
+        assert nested - set(sys.stdlib_module_names) <= {"__future__", "torch", "vllm"}, module
     staged = {module.removesuffix(".py").replace("/", ".") for module in process._STAGED_MODULES}
-    assert {"inference.vllm.transport", "inference.vllm.worker_extension"} <= staged
+    assert ours | {"inference.vllm.worker_extension"} <= staged
 
 
 # ---- where the worker extension may read a bucket from --------------------------------
