@@ -37,6 +37,7 @@ import logging
 import os
 import shutil
 import socket
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -220,7 +221,7 @@ def _lock(path: Path) -> int:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            holder = _read_holder(fd)
+            holder = _wait_for_holder(fd)
             os.close(fd)
             raise ConfigValidationError(
                 _KEY,
@@ -246,6 +247,16 @@ def _lock(path: Path) -> int:
         if same:
             return fd
         os.close(fd)  # the holder before us removed it as it released: try the new one
+
+
+def _wait_for_holder(fd: int, *, timeout_s: float = 2.0) -> Holder | None:
+    """The holder's record, waiting briefly for it: the holder writes it just after it
+    takes the lock, and a launch started at the same moment read an empty file between
+    the two (seen in the two-launches test on 2 busy cores)."""
+    deadline = time.monotonic() + timeout_s
+    while (holder := _read_holder(fd)) is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return holder
 
 
 def _read_holder(fd: int) -> Holder | None:
