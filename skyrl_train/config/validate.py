@@ -99,10 +99,11 @@ def validate_cfg(cfg: PPOConfig | Mapping[str, Any], *, evaluation: bool = False
         check_remote_support_cap(cfg, arch)  # last: it asks remote servers
 
 
-PROVEN_VPP_WITH_REPLAY = frozenset({(2, 2)})
+PROVEN_VPP_WITH_REPLAY = frozenset({(2, 2), (2, 3), (2, 4)})
 """(pipeline, virtual pipeline) sizes at which tests run the interleaved schedule with
-replay and find every route replayed, forward and recompute
-(tests/skyrl_train/workers/test_megatron_pipeline.py)."""
+replay and find every route replayed, forward and recompute, and PP=1's numbers
+(tests/skyrl_train/workers/test_megatron_pipeline.py: VPP=2 on 4 layers, VPP=3 and 4 on
+6 and 8). PP > 2 needs more than the 2 processes the tests run."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -54,8 +54,17 @@ PP2 = [f"{POLICY}.pipeline_model_parallel_size=2", "trainer.placement.num_traine
 PP4 = [f"{POLICY}.pipeline_model_parallel_size=4", "trainer.placement.num_trainers=4"]
 
 
-def test_replay_accepts_the_interleaved_schedule_its_tests_prove() -> None:
-    validate_cfg(load_config([*PP2, f"{POLICY}.virtual_pipeline_model_parallel_size=2"]))
+@pytest.mark.parametrize(("vpp", "layers"), [(2, 4), (3, 6), (4, 8)])
+def test_replay_accepts_the_interleaved_schedule_its_tests_prove(vpp: int, layers: int) -> None:
+    validate_cfg(
+        load_config(
+            [
+                *PP2,
+                f"model.builtin.num_layers={layers}",
+                f"{POLICY}.virtual_pipeline_model_parallel_size={vpp}",
+            ]
+        )
+    )
     validate_cfg(
         load_config(
             [
@@ -73,9 +82,9 @@ def test_replay_accepts_the_interleaved_schedule_its_tests_prove() -> None:
     ("overrides", "key"),
     [
         # VPP=1 is no interleaving at all, but Megatron would still take the
-        # interleaved path; VPP=4 at PP=2 and PP=4 were never run with replay.
+        # interleaved path; VPP=5 at PP=2 and PP=4 were never run with replay.
         ([*PP2, f"{POLICY}.virtual_pipeline_model_parallel_size=1"], "virtual_pipeline_model_parallel_size"),
-        ([*PP2, "model.builtin.num_layers=8", f"{POLICY}.virtual_pipeline_model_parallel_size=4"], "virtual_pipeline_model_parallel_size"),
+        ([*PP2, "model.builtin.num_layers=10", f"{POLICY}.virtual_pipeline_model_parallel_size=5"], "virtual_pipeline_model_parallel_size"),
         ([*PP4, "model.builtin.num_layers=8", f"{POLICY}.virtual_pipeline_model_parallel_size=2"], "virtual_pipeline_model_parallel_size"),
         ([*PP2, f"{POLICY}.virtual_pipeline_model_parallel_size=2", f"+{POLICY}.{KW}.recompute_granularity=selective"], f"{KW}.recompute_granularity"),
     ],
@@ -156,12 +165,12 @@ def test_refuse_replay_incompatible_for_resolved_worker_settings() -> None:
         refuse_replay_incompatible(
             mc,
             key_prefix=POLICY,
-            resolved={"moe_enable_routing_replay": True, "virtual_pipeline_model_parallel_size": 4},
+            resolved={"moe_enable_routing_replay": True, "virtual_pipeline_model_parallel_size": 5},
         )
     assert info.value.path == f"{POLICY}.virtual_pipeline_model_parallel_size"
 
 
-PP2_LAYERS8 = [*PP2, "model.builtin.num_layers=8"]
+PP2_LAYERS10 = [*PP2, "model.builtin.num_layers=10"]
 LAYOUT = f"+{POLICY}.{KW}.pipeline_model_parallel_layout"
 
 # One case per row of UNSUPPORTED_MEGATRON_SETTINGS (the test below checks that), each
@@ -176,8 +185,8 @@ REPLAY_REFUSALS = [
     ([f"+{POLICY}.{KW}.moe_router_load_balancing_type=sinkhorn"], f"{KW}.moe_router_load_balancing_type", "sinkhorn"),
     ([*PP2, f"{POLICY}.virtual_pipeline_model_parallel_size=1"], "virtual_pipeline_model_parallel_size", "got 1 at pipeline size 2"),
     ([*PP2, f"{POLICY}.virtual_pipeline_model_parallel_size=2", f"+{POLICY}.{KW}.recompute_granularity=selective"], f"{KW}.recompute_granularity", "got 'selective'"),
-    # 8 stages at PP=2 imply VPP=4, which virtual_pipeline_model_parallel_size never shows.
-    ([*PP2_LAYERS8, f"{LAYOUT}='Et|t|t|t|t|t|t|tL'"], f"{KW}.pipeline_model_parallel_layout", "4 virtual stages at pipeline size 2"),
+    # 10 stages at PP=2 imply VPP=5, which virtual_pipeline_model_parallel_size never shows.
+    ([*PP2_LAYERS10, f"{LAYOUT}='Et|t|t|t|t|t|t|t|t|tL'"], f"{KW}.pipeline_model_parallel_layout", "5 virtual stages at pipeline size 2"),
     ([*PP2, f"{LAYOUT}='Et|t|tL'"], f"{KW}.pipeline_model_parallel_layout", "cannot split over pipeline size 2"),
     ([*PP2, f"{LAYOUT}='Et|t|t|tL'", f"+{POLICY}.{KW}.recompute_granularity=selective"], f"{KW}.recompute_granularity", "got 'selective'"),
     (["trainer.placement.num_trainers=2", f"{POLICY}.context_parallel_size=2"], "context_parallel_size", "only supported by TEDotProductAttention"),

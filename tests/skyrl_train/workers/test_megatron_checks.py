@@ -168,14 +168,14 @@ def test_the_built_configs_derived_virtual_stages_are_checked_too() -> None:
     # the rule reads both from the built config.
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    arch = TinyMoEConfig(num_layers=8).architecture()
+    arch = TinyMoEConfig(num_layers=10).architecture()
     mc = MegatronConfig(
         pipeline_model_parallel_size=2,
-        transformer_config_kwargs={LAYOUT: "Et|t|t|t|t|t|t|tL"},
+        transformer_config_kwargs={LAYOUT: "Et|t|t|t|t|t|t|t|t|tL"},
     )
     built = TransformerConfig(**transformer_config_kwargs(arch, mc))
-    assert built.virtual_pipeline_model_parallel_size == 4
-    with pytest.raises(ConfigValidationError, match="4 virtual stages at pipeline size 2") as err:
+    assert built.virtual_pipeline_model_parallel_size == 5
+    with pytest.raises(ConfigValidationError, match="5 virtual stages at pipeline size 2") as err:
         refuse_replay_incompatible(mc, key_prefix=KEY, resolved=vars(built))
     assert err.value.path == f"{KEY}.{KW}.{LAYOUT}"
 
