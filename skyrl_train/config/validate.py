@@ -703,6 +703,8 @@ def _check_megatron(cfg: PPOConfig, arch: MoEArchitecture, mc: MegatronConfig, p
     # Before the passthrough's own checks: a VPP set there is refused as unproven
     # with replay, naming the passthrough key.
     refuse_replay_incompatible(mc, key_prefix=prefix)
+    if pp > 1:
+        _refuse_untested_pipeline(mc, prefix, pp=pp, ep=ep, world=world)
     _check_transformer_kwargs(mc.transformer_config_kwargs, f"{prefix}.transformer_config_kwargs")
 
 
@@ -822,6 +824,25 @@ def _refuse_untested_tensor_parallel(
         if str(got) not in expected.split(" or "):
             raise ConfigValidationError(
                 key, expected=f"{expected} with tensor parallelism ({why})", got=str(got)
+            )
+
+
+def _refuse_untested_pipeline(
+    mc: MegatronConfig, prefix: str, *, pp: int, ep: int, world: int
+) -> None:
+    """Refuse at launch the pipeline layouts no test has run: the pipeline tests run 2
+    gloo processes (docs/parallel-layouts.md), so PP > 2 and PP with expert or data
+    parallelism (4 ranks or more) are untested."""
+    why = "untested: the pipeline tests run PP=2 on exactly 2 ranks"
+    found = [
+        (f"{prefix}.pipeline_model_parallel_size", "2", pp),
+        (f"{prefix}.expert_model_parallel_size", "1", ep),
+        ("trainer.placement.num_trainers", str(pp), world),
+    ]
+    for key, expected, got in found:
+        if str(got) != expected:
+            raise ConfigValidationError(
+                key, expected=f"{expected} with pipeline parallelism ({why})", got=str(got)
             )
 
 

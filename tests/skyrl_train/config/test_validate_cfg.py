@@ -95,6 +95,33 @@ def test_replay_refuses_interleaving_no_test_proves(overrides: list[str], key: s
     assert "routing replay" in err.reason and "proven" in err.reason
 
 
+MICRO4 = ["trainer.micro_train_batch_size_per_gpu=4", "trainer.micro_forward_batch_size_per_gpu=4"]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "key", "got"),
+    [
+        ([*PP4, *MICRO4], "pipeline_model_parallel_size", "got 4"),
+        ([*PP4, *MICRO4, f"{POLICY}.moe_enable_routing_replay=false"], "pipeline_model_parallel_size", "got 4"),
+        ([*PP2, *MICRO4, "trainer.placement.num_trainers=4", f"{POLICY}.expert_model_parallel_size=2"], "expert_model_parallel_size", "got 2"),
+        ([*PP2, *MICRO4, "trainer.placement.num_trainers=4", f"{POLICY}.virtual_pipeline_model_parallel_size=2", f"{POLICY}.expert_model_parallel_size=2"], "expert_model_parallel_size", "got 2"),
+    ],
+)  # fmt: skip
+def test_untested_pipeline_layouts_are_refused_by_key(
+    overrides: list[str], key: str, got: str
+) -> None:
+    # PP=4 and PP=2 x EP=2 need 4 ranks; the pipeline tests run 2.
+    err = _refusal(overrides)
+    assert err.path == f"{POLICY}.{key}"
+    assert "untested" in str(err) and got in str(err)
+
+
+def test_pipeline_with_data_parallel_ranks_is_refused_by_key() -> None:
+    err = _refusal([*PP2, *MICRO4, "trainer.placement.num_trainers=4"])
+    assert err.path == "trainer.placement.num_trainers"
+    assert "untested" in str(err) and "got 4" in str(err)
+
+
 def test_same_vpp_without_replay_is_valid() -> None:
     validate_cfg(
         load_config(
@@ -365,13 +392,14 @@ def test_parallel_layouts_that_fit_are_valid(tmp_path: Path) -> None:
             ]
         )
     )
+    # PP=2 x EP=2 fits 4 ranks but is refused as untested
+    # (test_untested_pipeline_layouts_are_refused_by_key); PP=2 x VPP=4 on 8 layers fits 2.
     validate_cfg(
         load_config(
             [
-                "trainer.placement.num_trainers=4",
-                # Expert, not tensor, parallelism: the worker refuses TP > 1.
-                f"{POLICY}.expert_model_parallel_size=2",
-                f"{POLICY}.pipeline_model_parallel_size=2",
+                *PP2,
+                "model.builtin.num_layers=8",
+                f"{POLICY}.virtual_pipeline_model_parallel_size=4",
                 "trainer.micro_train_batch_size_per_gpu=16",
             ]
         )
