@@ -830,10 +830,10 @@ def _refuse_untested_tensor_parallel(
 def _refuse_untested_pipeline(
     mc: MegatronConfig, prefix: str, *, pp: int, ep: int, world: int
 ) -> None:
-    """Refuse at launch the pipeline layouts no test has run: the pipeline tests run 2
-    gloo processes (docs/parallel-layouts.md), so PP > 2 and PP with expert or data
-    parallelism (4 ranks or more) are untested."""
-    why = "untested: the pipeline tests run PP=2 on exactly 2 ranks"
+    """Refuse at launch the pipeline layouts no launch test has run: those run PP=2 on 2
+    ranks; PP=2 x EP=2 is tested only in the worker (docs/parallel-layouts.md), and
+    PP > 2 and PP with data-parallel ranks not at all."""
+    why = "untested: launch tests run a pipeline only at PP=2 on exactly 2 ranks"
     found = [
         (f"{prefix}.pipeline_model_parallel_size", "2", pp),
         (f"{prefix}.expert_model_parallel_size", "1", ep),

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -338,11 +338,15 @@ def _held_by_stage(name: str, layers: Sequence[int], *, first: bool, last: bool)
     return last  # the final norm and the output layer
 
 
-def _launch(schedule: str, folder: Path) -> list[dict[str, Any]]:
+def _launch(
+    schedule: str, folder: Path, *, main: Callable[..., None] = _rank_main, nprocs: int = STAGES
+) -> list[dict[str, Any]]:
+    """``main(rank, rendezvous, schedule, folder)`` on ``nprocs`` processes; what each
+    saved as ``folder/<rank>.pt``."""
     ranks = mp.start_processes(
-        _rank_main,
+        main,
         args=(str(folder / "rendezvous"), schedule, str(folder)),
-        nprocs=STAGES,
+        nprocs=nprocs,
         join=False,
     )
     try:
@@ -359,11 +363,10 @@ def _launch(schedule: str, folder: Path) -> list[dict[str, Any]]:
             if process.is_alive():
                 process.kill()
                 process.join()
-    return [torch.load(folder / f"{rank}.pt", weights_only=False) for rank in range(STAGES)]
+    return [torch.load(folder / f"{rank}.pt", weights_only=False) for rank in range(nprocs)]
 
 
-@pytest.fixture(scope="module")
-def reference() -> dict[str, Any]:
+def single_rank() -> dict[str, Any]:
     """The PP=1 worker in this process: the numbers every stage must reproduce."""
     torch.set_num_threads(1)
     worker = _worker(None, {}, pp=1)
@@ -371,6 +374,11 @@ def reference() -> dict[str, Any]:
     results = _forward_and_step(worker, _batch())
     results["export"] = list(worker.export_weights())
     return results
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict[str, Any]:
+    return single_rank()
 
 
 @pytest.fixture(scope="module")
