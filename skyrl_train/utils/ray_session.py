@@ -94,6 +94,9 @@ def _init_on_loopback(*, num_cpus: int | None, runtime_env: dict[str, Any] | Non
     ray_constants.ENABLE_RAY_CLUSTER = False
     try:
         ray.init(
+            # "local": a new instance even where a `ray start` cluster runs on this
+            # machine; without it ray.init joins that cluster (and refuses num_cpus).
+            address="local",
             num_cpus=num_cpus,
             runtime_env=runtime_env,
             include_dashboard=False,

@@ -73,8 +73,13 @@ def test_local_ray_listens_on_loopback_and_refuses_a_wrong_token(tmp_path: Path)
     assert not ray.is_initialized()
 
 
-def test_an_initialised_ray_is_used_and_left_running() -> None:
+def test_an_initialised_ray_is_used_and_left_running(monkeypatch: pytest.MonkeyPatch) -> None:
+    # ray.address=null starts a local Ray even where another is announced on this
+    # machine (RAY_ADDRESS, or the file a `ray start` writes): ray.init() alone joins
+    # that one, and refuses num_cpus there.
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:9")
     session = start_ray(address=None, num_cpus=1, runtime_env={})
+    assert session.started and ray.get_runtime_context().gcs_address != "127.0.0.1:9"
     try:
         again = start_ray(address=None, num_cpus=1, runtime_env={})
         assert not again.started
