@@ -174,6 +174,12 @@ def _layout_found(settings: Mapping[str, Any]) -> str:
     return f"{layout!r}: {vpp} virtual stages at pipeline size {pp}"
 
 
+def _expert_tensor_size(settings: Mapping[str, Any]) -> int:
+    """The expert tensor-parallel size: null means the tensor size (megatron-core's rule)."""
+    tp = settings.get("tensor_model_parallel_size", 1)
+    return int(settings.get("expert_tensor_parallel_size") or tp)
+
+
 def _balancing_types(settings: Mapping[str, Any]) -> list[Any]:
     balancing = settings.get("moe_router_load_balancing_type")
     return [balancing] if isinstance(balancing, str) else list(balancing or [])
@@ -198,6 +204,39 @@ UNSUPPORTED_MEGATRON_SETTINGS: tuple[_Unsupported, ...] = (
         "TEDotProductAttention!'), and Transformer Engine does not install on CPU, so "
         "no test here can run it",
         replay_only=False,
+    ),
+    _Unsupported(
+        "expert_tensor_parallel_size",
+        lambda s: (
+            _expert_tensor_size(s) != s.get("tensor_model_parallel_size", 1)
+            and s.get("expert_model_parallel_size", 1) == 1
+        ),
+        "null (= tensor_model_parallel_size) while expert_model_parallel_size is 1",
+        "megatron-core 0.16 marks expert weights as dense (allreduce=True) unless "
+        "expert_model_parallel_size > 1, so they would be loaded and their gradients reduced "
+        "over the tensor and data-parallel groups, not the expert ones they are computed on",
+        lambda s: (
+            f"{_expert_tensor_size(s)} at tensor_model_parallel_size "
+            f"{s.get('tensor_model_parallel_size', 1)}"
+        ),
+        replay_only=False,
+    ),
+    _Unsupported(
+        "moe_token_dispatcher_type",
+        lambda s: s.get("moe_token_dispatcher_type") == "flex",
+        "'allgather' or 'alltoall'",
+        "the flex dispatcher runs on DeepEP or HybridEP, which need NVIDIA GPUs, so no test "
+        "here can run it",
+        replay_only=False,
+    ),
+    _Unsupported(
+        "moe_token_dispatcher_type",
+        lambda s: (
+            s.get("moe_token_dispatcher_type") == "alltoall"
+            and s.get("pipeline_model_parallel_size", 1) > 1
+        ),
+        "'allgather' with pipeline_model_parallel_size > 1",
+        "replay with the alltoall dispatcher is tested only without a pipeline",
     ),
     _Unsupported(
         "sequence_parallel",
@@ -686,9 +725,6 @@ def _check_megatron(cfg: PPOConfig, arch: MoEArchitecture, mc: MegatronConfig, p
         "the attention head count",
     )
     _divides(tp, arch.num_kv_heads, f"{prefix}.tensor_model_parallel_size", "the KV head count")
-    if tp > 1:
-        _check_tensor_parallel(arch, mc, prefix, tp=tp, etp=etp)
-        _refuse_untested_tensor_parallel(mc, prefix, tp=tp, etp=etp, world=world)
     _divides(pp, arch.num_layers, f"{prefix}.pipeline_model_parallel_size", "the layer count")
     vpp = mc.virtual_pipeline_model_parallel_size
     if vpp is not None:
@@ -703,6 +739,11 @@ def _check_megatron(cfg: PPOConfig, arch: MoEArchitecture, mc: MegatronConfig, p
     # Before the passthrough's own checks: a VPP set there is refused as unproven
     # with replay, naming the passthrough key.
     refuse_replay_incompatible(mc, key_prefix=prefix)
+    # After it: an expert tensor size megatron-core cannot honour is named with its
+    # reason there, not as merely untested here.
+    if tp > 1:
+        _check_tensor_parallel(arch, mc, prefix, tp=tp, etp=etp)
+        _refuse_untested_tensor_parallel(mc, prefix, tp=tp, etp=etp, world=world)
     if pp > 1:
         _refuse_untested_pipeline(mc, prefix, pp=pp, ep=ep, world=world)
     _check_transformer_kwargs(mc.transformer_config_kwargs, f"{prefix}.transformer_config_kwargs")
@@ -803,25 +844,42 @@ def _check_tensor_parallel(
 
 
 TESTED_TENSOR_PARALLEL = 2
-"""The one TP size a launch test runs (tests/skyrl_train/entrypoints/
-test_main_base_tensor_parallel.py): TP=2 alone, ETP = TP, no other parallelism."""
+"""The one TP size launch tests run (tests/skyrl_train/entrypoints/
+test_main_base_tensor_parallel.py), on exactly that many ranks: TP=2 alone (ETP = TP)
+and TP=2 x EP=2 with ETP=1, megatron-core's MoE parallel folding."""
+
+TESTED_EXPERT_TENSOR_SIZES = {1: TESTED_TENSOR_PARALLEL, 2: 1}
+"""Expert size -> the expert tensor size tested with it at TP=2."""
 
 
 def _refuse_untested_tensor_parallel(
     mc: MegatronConfig, prefix: str, *, tp: int, etp: int, world: int
 ) -> None:
     """Refuse at launch the tensor-parallel layouts no test has run yet
-    (docs/parallel-layouts.md), naming the key that leaves the tested one."""
-    why = f"only tensor_model_parallel_size={TESTED_TENSOR_PARALLEL} on its own is tested"
-    found = [
-        (f"{prefix}.tensor_model_parallel_size", str(TESTED_TENSOR_PARALLEL), tp),
-        (f"{prefix}.pipeline_model_parallel_size", "1", mc.pipeline_model_parallel_size),
-        (f"{prefix}.expert_model_parallel_size", "1", mc.expert_model_parallel_size),
-        (f"{prefix}.expert_tensor_parallel_size", f"null or {tp}", etp),
-        ("trainer.placement.num_trainers", str(tp), world),
+    (docs/parallel-layouts.md), naming the key that leaves the tested ones."""
+    ep = mc.expert_model_parallel_size
+    why = (
+        f"only tensor_model_parallel_size={TESTED_TENSOR_PARALLEL} on {TESTED_TENSOR_PARALLEL} "
+        "ranks, alone or x expert_model_parallel_size=2 with expert_tensor_parallel_size=1, "
+        "is tested"
+    )
+    want_etp = TESTED_EXPERT_TENSOR_SIZES.get(ep)
+    tested_tp = TESTED_TENSOR_PARALLEL
+    # (key, the values tested, how the message says them, the value found)
+    found: list[tuple[str, set[int], str, int]] = [
+        (f"{prefix}.tensor_model_parallel_size", {tested_tp}, str(tested_tp), tp),
+        (f"{prefix}.pipeline_model_parallel_size", {1}, "1", mc.pipeline_model_parallel_size),
+        (f"{prefix}.expert_model_parallel_size", set(TESTED_EXPERT_TENSOR_SIZES), "1 or 2", ep),
+        (
+            f"{prefix}.expert_tensor_parallel_size",
+            {want_etp} if want_etp else set(),
+            f"{want_etp} at expert_model_parallel_size {ep}",
+            etp,
+        ),
+        ("trainer.placement.num_trainers", {tp}, str(tp), world),
     ]
-    for key, expected, got in found:
-        if str(got) not in expected.split(" or "):
+    for key, tested, expected, got in found:
+        if got not in tested:
             raise ConfigValidationError(
                 key, expected=f"{expected} with tensor parallelism ({why})", got=str(got)
             )

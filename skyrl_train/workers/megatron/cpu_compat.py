@@ -19,6 +19,10 @@ interleaved, PP=2 over gloo), once these CUDA assumptions are redirected:
   every forward, in Python).
 - The point-to-point layer calls ``torch.cuda.synchronize()`` after batched
   send/recv (a guard against a NCCL race); gloo's requests are complete once waited.
+- The alltoall token dispatcher creates a ``torch.cuda.Stream`` when built and, on
+  it, copies its split sizes to host numpy arrays (``all_to_all_single`` takes a
+  sequence, not a tensor); on CPU its stream is a placeholder and the sizes, host
+  tensors already, become the same numpy arrays without a stream.
 
 ``apply_cpu_compat()`` is a no-op when CUDA is available and idempotent otherwise.
 Megatron's distributed optimizer still hard-codes CUDA; the worker steps
@@ -57,6 +61,16 @@ def _no_synchronize(*_args: Any, **_kwargs: Any) -> None:
     return None
 
 
+def _splits_to_numpy(
+    self: Any, _point: str, tokens_per_expert: torch.Tensor | None = None
+) -> torch.Tensor | None:
+    for name in ("input_splits", "output_splits", "output_splits_tp"):
+        splits = getattr(self, name, None)
+        if torch.is_tensor(splits):
+            setattr(self, name, splits.numpy())
+    return tokens_per_expert
+
+
 class _TorchOnCpu(types.ModuleType):
     """``torch`` as the schedules module sees it: ``zeros(..., device="cuda")`` lands
     on the CPU; every other name is torch's own object."""
@@ -89,6 +103,7 @@ def apply_cpu_compat() -> bool:
     from megatron.core.pipeline_parallel import schedules
     from megatron.core.tensor_parallel import random as tp_random
     from megatron.core.transformer.moe import moe_utils
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 
     torch.cuda.current_device = _cpu_current_device  # type: ignore[assignment]
     torch.cuda.get_rng_state = _cpu_get_rng_state  # type: ignore[assignment]
@@ -100,6 +115,8 @@ def apply_cpu_compat() -> bool:
     schedules.torch = _TorchOnCpu()  # type: ignore[attr-defined]
     tp_random._get_cuda_rng_state = _cpu_get_rng_state
     tp_random._set_cuda_rng_state = _cpu_set_rng_state
+    MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = object()
+    MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize = _splits_to_numpy  # type: ignore[method-assign]
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
     _APPLIED = True

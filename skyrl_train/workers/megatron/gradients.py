@@ -65,22 +65,31 @@ def sum_sequence_parallel_grads(model: torch.nn.Module) -> None:
 
 
 def average_data_parallel_grads(params: Sequence[torch.nn.Parameter]) -> None:
-    """Sum each gradient over its data-parallel group (the expert one for expert
-    parameters) and divide by the data-parallel size."""
+    """Sum each gradient over its data-parallel group and divide it by the dense
+    data-parallel size, as megatron-core's DDP does for both kinds (its
+    ``expert_gradient_scaling_factor`` is also 1/dp). An expert parameter's group is
+    the expert-data-parallel one: the ranks that hold the same experts, which under
+    TP x EP with a smaller expert tensor size (TP=4 x EP=2 x ETP=1: dense DP 1, expert
+    DP 2) outnumber the dense data-parallel ranks, each having dispatched its own
+    sequence shard's tokens to them."""
     from megatron.core import parallel_state
 
     dp_size = parallel_state.get_data_parallel_world_size()
-    if dp_size == 1:
+    sizes = (dp_size, parallel_state.get_expert_data_parallel_world_size())
+    if max(sizes) == 1:
         return
-    dense_group = parallel_state.get_data_parallel_group()
-    expert_group = parallel_state.get_expert_data_parallel_group()
+    groups = (
+        parallel_state.get_data_parallel_group(),
+        parallel_state.get_expert_data_parallel_group(),
+    )
     for param in params:
         if param.grad is None:
             continue
-        group = expert_group if _is_expert(param) else dense_group
-        if torch.distributed.get_world_size(group) > 1:
-            torch.distributed.all_reduce(param.grad, group=group)
-        param.grad.div_(dp_size)
+        expert = int(_is_expert(param))
+        if sizes[expert] > 1:
+            torch.distributed.all_reduce(param.grad, group=groups[expert])
+        if dp_size > 1:
+            param.grad.div_(dp_size)
 
 
 def clip_grad_norm(

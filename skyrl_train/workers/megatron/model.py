@@ -20,7 +20,9 @@ built-in model when measured, identical top-k routes in the same order):
   ``sigmoid(x @ gate_weight.T) * mlp(x)``, the same as HF's
   ``sigmoid(shared_expert_gate(x)) * shared_expert(x)`` (gate weight ``[1, hidden]``).
 - SequentialMLP experts (no grouped GEMM), allgather dispatcher, every fusion off and
-  ``use_cpu_initialization=True``: the configuration that runs on CPU.
+  ``use_cpu_initialization=True``: the configuration that runs on CPU. The alltoall
+  dispatcher (``transformer_config_kwargs.moe_token_dispatcher_type``) gives the same
+  numbers with replay at TP=2, EP=2 and TP=2 x EP=2 (docs/parallel-layouts.md).
 """
 
 from __future__ import annotations
@@ -201,6 +203,8 @@ def init_parallel_state(mc: MegatronConfig, *, seed: int) -> None:
             == mc.pipeline_model_parallel_size
             and parallel_state.get_expert_model_parallel_world_size()
             == mc.expert_model_parallel_size
+            and parallel_state.get_expert_tensor_parallel_world_size()
+            == (mc.expert_tensor_parallel_size or mc.tensor_model_parallel_size)
             and parallel_state.get_virtual_pipeline_model_parallel_world_size()
             == mc.virtual_pipeline_model_parallel_size
         )
@@ -213,6 +217,9 @@ def init_parallel_state(mc: MegatronConfig, *, seed: int) -> None:
             virtual_pipeline_model_parallel_size=mc.virtual_pipeline_model_parallel_size,
             context_parallel_size=mc.context_parallel_size,
             expert_model_parallel_size=mc.expert_model_parallel_size,
+            # The groups the expert weights are sharded and dispatched over; left out,
+            # megatron-core builds them at ETP = TP whatever the TransformerConfig says.
+            expert_tensor_parallel_size=mc.expert_tensor_parallel_size,
         )
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
 

@@ -218,6 +218,9 @@ REPLAY_REFUSALS = [
     ([*PP2, f"{LAYOUT}='Et|t|t|tL'", f"+{POLICY}.{KW}.recompute_granularity=selective"], f"{KW}.recompute_granularity", "got 'selective'"),
     (["trainer.placement.num_trainers=2", f"{POLICY}.context_parallel_size=2"], "context_parallel_size", "only supported by TEDotProductAttention"),
     ([f"+{POLICY}.{KW}.sequence_parallel=true"], f"{KW}.sequence_parallel", "got true"),
+    (["trainer.placement.num_trainers=2", f"{POLICY}.expert_tensor_parallel_size=2"], "expert_tensor_parallel_size", "marks expert weights as dense"),
+    ([f"+{POLICY}.{KW}.moe_token_dispatcher_type=flex"], f"{KW}.moe_token_dispatcher_type", "DeepEP or HybridEP"),
+    ([*PP2, f"+{POLICY}.{KW}.moe_token_dispatcher_type=alltoall"], f"{KW}.moe_token_dispatcher_type", "tested only without a pipeline"),
 ]  # fmt: skip
 
 
@@ -242,6 +245,9 @@ def test_every_unsupported_setting_has_a_refusal_case() -> None:
         (["trainer.placement.num_trainers=2", f"{POLICY}.context_parallel_size=2"], "context_parallel_size"),
         (["trainer.placement.num_trainers=2", f"{POLICY}.tensor_model_parallel_size=2", f"+{POLICY}.{KW}.sequence_parallel=false"], f"{KW}.sequence_parallel"),
         ([f"+{POLICY}.{KW}.sequence_parallel=true"], f"{KW}.sequence_parallel"),
+        ([f"+{POLICY}.{KW}.moe_token_dispatcher_type=flex"], f"{KW}.moe_token_dispatcher_type"),
+        # ETP=1 beside TP=2 with no expert parallelism: megatron-core's dense marking.
+        (["trainer.placement.num_trainers=2", f"{POLICY}.tensor_model_parallel_size=2", f"{POLICY}.expert_tensor_parallel_size=1"], "expert_tensor_parallel_size"),
     ],
 )  # fmt: skip
 def test_layouts_refused_without_replay_too(overrides: list[str], key: str) -> None:
@@ -253,10 +259,16 @@ def test_layouts_refused_without_replay_too(overrides: list[str], key: str) -> N
 
 
 def test_tensor_parallelism_with_sequence_parallelism_launches() -> None:
-    # docs/parallel-layouts.md: TP=2 (SP on by default) is accepted at launch.
-    validate_cfg(
-        load_config(["trainer.placement.num_trainers=2", f"{POLICY}.tensor_model_parallel_size=2"])
-    )
+    # docs/parallel-layouts.md: TP=2 (SP on by default) is accepted at launch, alone and
+    # x EP=2 at expert tensor size 1, with either dispatcher the worker tests prove.
+    tp2 = ["trainer.placement.num_trainers=2", f"{POLICY}.tensor_model_parallel_size=2"]
+    validate_cfg(load_config(tp2))
+    ep2 = [f"{POLICY}.expert_model_parallel_size=2", f"{POLICY}.expert_tensor_parallel_size=1"]
+    validate_cfg(load_config([*tp2, *ep2]))
+    for dispatcher in ("allgather", "alltoall"):
+        validate_cfg(
+            load_config([*tp2, *ep2, f"+{POLICY}.{KW}.moe_token_dispatcher_type={dispatcher}"])
+        )
 
 
 TP2 = ["trainer.placement.num_trainers=4", f"{POLICY}.tensor_model_parallel_size=2"]
@@ -266,8 +278,10 @@ TP2 = ["trainer.placement.num_trainers=4", f"{POLICY}.tensor_model_parallel_size
     ("overrides", "key"),
     [
         ([*TP2, f"{POLICY}.pipeline_model_parallel_size=2"], f"{POLICY}.pipeline_model_parallel_size"),
-        ([*TP2, f"{POLICY}.expert_model_parallel_size=2"], f"{POLICY}.expert_model_parallel_size"),
-        ([*TP2[1:], "trainer.placement.num_trainers=2", f"{POLICY}.expert_tensor_parallel_size=1"], f"{POLICY}.expert_tensor_parallel_size"),
+        # TP x EP x ETP=2 on 4 ranks (tested in no launch), TP x EP x DP, EP=4.
+        ([*TP2, f"{POLICY}.expert_model_parallel_size=2"], f"{POLICY}.expert_tensor_parallel_size"),
+        ([*TP2, f"{POLICY}.expert_model_parallel_size=2", f"{POLICY}.expert_tensor_parallel_size=1"], "trainer.placement.num_trainers"),
+        ([*TP2, f"{POLICY}.expert_model_parallel_size=4", f"{POLICY}.expert_tensor_parallel_size=1"], f"{POLICY}.expert_model_parallel_size"),
         (TP2, "trainer.placement.num_trainers"),
     ],
 )  # fmt: skip
@@ -276,7 +290,9 @@ def test_untested_tensor_parallel_layouts_are_refused_before_ray(
 ) -> None:
     err = _refusal(overrides)
     assert err.path == key
-    assert "only tensor_model_parallel_size=2 on its own is tested" in err.reason
+    assert "x expert_model_parallel_size=2 with expert_tensor_parallel_size=1, is tested" in (
+        err.reason
+    )
 
 
 def test_without_replay_the_replay_only_settings_are_valid() -> None:

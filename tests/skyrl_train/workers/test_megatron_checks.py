@@ -147,6 +147,10 @@ WORKER_REFUSALS = [
     ({"transformer_config_kwargs": {LAYOUT: "Ett|ttL"}}, f"{KW}.{LAYOUT}"),  # VPP=2 at PP=1
     ({"context_parallel_size": 2}, "context_parallel_size"),
     ({"transformer_config_kwargs": {"sequence_parallel": True}}, f"{KW}.sequence_parallel"),
+    ({"expert_tensor_parallel_size": 2}, "expert_tensor_parallel_size"),  # ETP != TP at EP=1
+    ({"transformer_config_kwargs": {"moe_token_dispatcher_type": "flex"}}, f"{KW}.moe_token_dispatcher_type"),
+    ({"pipeline_model_parallel_size": 2,
+      "transformer_config_kwargs": {"moe_token_dispatcher_type": "alltoall"}}, f"{KW}.moe_token_dispatcher_type"),
 ]  # fmt: skip
 
 
