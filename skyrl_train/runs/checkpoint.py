@@ -282,7 +282,7 @@ def verify_checkpoint(
 def verify_resume(cfg: PPOConfig) -> Checkpoint | None:
     """The launch-time check of ``trainer.resume_from`` (None when not resuming), a
     checkpoint folder (``latest`` is resolved first: ``runs.folder``): the whole
-    folder against its manifest, and the world size it was saved at."""
+    folder against its manifest, and that this run's world size can resume it."""
     if not cfg.trainer.resume_from:
         return None
     found = verify_checkpoint(cfg.trainer.resume_from)
@@ -291,13 +291,24 @@ def verify_resume(cfg: PPOConfig) -> Checkpoint | None:
 
 
 def check_world_size(found: Checkpoint, *, num_trainers: int) -> None:
-    """Refuse resuming ``found`` at another ``trainer.placement.num_trainers``."""
-    if found.world_size != num_trainers:
-        # Each rank's file holds its own expert shard and optimizer state.
+    """Refuse resuming ``found`` at another ``trainer.placement.num_trainers`` when its
+    rank files cannot be resharded: written before they recorded their placement
+    (``runs/reshard.py``), each holds a shard only its own layout can place."""
+    if found.world_size == num_trainers:
+        return
+    # Imported here: verifying a folder needs only the standard library, and a resume
+    # at its own world size never reads a rank file before Ray.
+    from skyrl_train.runs.reshard import saved_layout
+
+    try:
+        reshardable = saved_layout(found.folder).reshardable
+    except CheckpointError:
+        reshardable = False
+    if not reshardable:
         raise ConfigValidationError(
             "trainer.placement.num_trainers",
             expected=f"the world size {found.world_size} that {str(found.folder)!r} was "
-            f"saved at ({DRIVER_FILE})",
+            f"saved at ({DRIVER_FILE}): its rank files predate resharding",
             got=str(num_trainers),
         )
 

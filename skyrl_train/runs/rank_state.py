@@ -166,7 +166,7 @@ LAYOUT_DEFAULTS = {"tensor_model_parallel_size": 1}
 """The value of a layout key a rank file written before the key was recorded had."""
 
 
-def read_plain(path: Path, *, map_location: str | None = None) -> Any:
+def read_plain(path: Path, *, map_location: str | None = None, mmap: bool = False) -> Any:
     """``torch.load(path, weights_only=True)`` with torch's own allowlist only.
 
     Importing ``megatron.core`` adds numpy arrays, ``io.BytesIO``, ``PosixPath`` and
@@ -178,7 +178,7 @@ def read_plain(path: Path, *, map_location: str | None = None) -> Any:
     extra = torch.serialization.get_safe_globals()
     torch.serialization.clear_safe_globals()
     try:
-        return torch.load(path, map_location=map_location, weights_only=True)
+        return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
     finally:
         torch.serialization.add_safe_globals(extra)
 

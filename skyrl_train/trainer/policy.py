@@ -17,6 +17,7 @@ the loss, advantages, replay and rank files live in their own modules.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -39,18 +40,15 @@ from skyrl_train.algorithms import (
 from skyrl_train.config.schema import PPOConfig, trainer_temperature
 from skyrl_train.dataset.batch import TrainingBatch, slice_batch, training_loss_mask
 from skyrl_train.runs.export import WeightFiles, write_weights
-from skyrl_train.runs.rank_state import (
-    RngState,
-    checkpoint_file,
-    load_rank_state,
-    rng_state,
-    save_rank_state,
-)
+from skyrl_train.runs.rank_state import checkpoint_file, save_rank_state
+from skyrl_train.runs.reshard import rank_checkpoint, restore_rank
 from skyrl_train.trainer.data_parallel import ROWS_KEY
 from skyrl_train.trainer.finite import require_finite, require_finite_weights
 from skyrl_train.trainer.weight_sync import WeightSyncer
 from skyrl_train.utils.ray_session import rendezvous_url
 from skyrl_train.workers.megatron.worker import MegatronPolicyWorker
+
+logger = logging.getLogger(__name__)
 
 
 def checkpoint_weights(folder: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
@@ -514,14 +512,7 @@ class PolicyTrainer:
         the driver's temp folder (``checkpoint.begin_save``), fsynced before returning:
         the driver's manifest then vouches for bytes already on disk. Plain data only
         (``runs.rank_state``), so a resume never runs pickled code."""
-        assert self.worker.optimizer is not None
-        state = {
-            "world_size": self.info.world_size,
-            "layout": self._layout(),
-            "model": self.worker.model.state_dict(),
-            "optimizer": self.worker.optimizer.state_dict(),
-            "rng": rng_state(),
-        }
+        state = rank_checkpoint(self.worker, world_size=self.info.world_size, layout=self._layout())
         save_rank_state(checkpoint_file(Path(folder), self.info.rank), state)
 
     def _layout(self) -> dict[str, int | None]:
@@ -535,17 +526,22 @@ class PolicyTrainer:
 
     def load_checkpoint(self, folder: str) -> None:
         """Restore this rank from ``folder``, which the launch verified against its
-        manifest (``checkpoint.verify_resume``) before Ray started; the rank file is
-        read with ``torch.load(weights_only=True)`` (``rank_state.load_rank_state``)."""
-        state = load_rank_state(
+        manifest (``checkpoint.verify_resume``) before Ray started; rank files are read
+        with ``torch.load(weights_only=True)``. A checkpoint of another layout (world
+        size, TP, PP, VPP or EP) is resharded (``runs/reshard.py``)."""
+        resharded = restore_rank(
             Path(folder),
+            self.worker,
             rank=self.info.rank,
             world_size=self.info.world_size,
             layout=self._layout(),
         )
-        # Checked before anything is restored: a bad RNG field leaves the model as it was.
-        rng = RngState.read(state, checkpoint_file(Path(folder), self.info.rank))
-        assert self.worker.optimizer is not None
-        self.worker.model.load_state_dict(state["model"])
-        self.worker.optimizer.load_state_dict(state["optimizer"])
-        rng.restore()
+        if resharded is not None:
+            logger.info(
+                "rank %d: resharded %s (%d parameters, %d with AdamW state; RNG of old rank %s)",
+                self.info.rank,
+                folder,
+                resharded.parameters,
+                resharded.moments,
+                resharded.rng_from,
+            )

@@ -66,6 +66,12 @@ def unshard(param: torch.Tensor, *, gated: bool) -> torch.Tensor:
     dim = int(getattr(param, "partition_dim", 0))
     parts = [torch.empty_like(local) for _ in range(size)]
     torch.distributed.all_gather(parts, local.contiguous(), group=group)
+    return join_shards(parts, dim=dim, gated=gated)
+
+
+def join_shards(parts: list[torch.Tensor], *, dim: int, gated: bool) -> torch.Tensor:
+    """The whole tensor from its TP ranks' shards in rank order: ``shard_of``'s inverse
+    (also the resharding of a checkpoint, ``runs/reshard.py``)."""
     if gated:
         pairs = [torch.chunk(part, 2, dim=dim) for part in parts]
         return torch.cat([p[0] for p in pairs] + [p[1] for p in pairs], dim=dim)

@@ -1,0 +1,399 @@
+"""Resuming a checkpoint under another Megatron layout (TP, PP, VPP, EP or DP size).
+
+Each rank file records where every one of its parameters sits in the whole model
+(``placement``): a layout-free key (the Megatron name with the global layer number and
+the global expert index, no virtual-stage prefix) and, for a tensor-parallel shard, its
+partition dim, TP rank and TP size. A rank resuming under another layout reads every
+old rank file (``torch.load(weights_only=True, mmap=True)``: only the pieces it uses are
+paged in), joins each of its parameters' whole tensor from the old shards and cuts its
+own shard with ``tensor_parallel.shard_of``, the cut the HF weight loading uses. AdamW's
+``exp_avg`` and ``exp_avg_sq`` have their parameter's shape and are resharded the same
+way; its ``step`` and hyperparameters are copied.
+
+Why not megatron-core's ``dist_checkpointing``: its torch_dist backend reads the
+checkpoint's ``.metadata`` with ``pickle.load`` (torch.distributed.checkpoint's
+FileSystemReader), which runs whatever code the file names: the thing
+``runs/rank_state.py`` refuses (docs/parallel-layouts.md, "Resharding").
+
+RNG states cannot map rank to rank across world sizes: rank r restores old rank r's
+torch, numpy and Python states when the old layout had a rank r, and keeps the state
+``trainer.seed`` gave it otherwise (a train step draws none: dropout is 0 in
+``workers/megatron/model.py``, and routing is replayed or a deterministic top-k).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from skyrl_train.errors import CheckpointError
+from skyrl_train.runs.checkpoint import RESUME_KEY
+from skyrl_train.runs.rank_state import LAYOUT_DEFAULTS, RngState, checkpoint_file, read_plain
+
+PLACEMENT_KEY = "placement"
+"""A rank file's record of where its parameters sit (``placement_record``)."""
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.+)$")
+_MOMENTS = ("exp_avg", "exp_avg_sq")
+_FIELDS = ("key", "dim", "tp_rank", "tp_size", "gated")
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where one local parameter sits in the whole model."""
+
+    key: str
+    """Layout-free: ``decoder.layers.<global layer>.mlp.experts.local_experts.<global
+    expert>.linear_fc1.weight``, ``embedding.word_embeddings.weight``, ..."""
+    dim: int
+    """The tensor-parallel partition dim (0 when the parameter is whole)."""
+    tp_rank: int
+    tp_size: int
+    gated: bool
+    """A gated ``linear_fc1``: ``[gate_r; up_r]`` (``tensor_parallel.is_gated``)."""
+
+
+@dataclass(frozen=True)
+class SavedLayout:
+    """What rank 0's file says about the layout that wrote the checkpoint."""
+
+    world_size: int | None
+    layout: dict[str, Any]
+    reshardable: bool
+    """Its rank files record their placement (written since resharding was added)."""
+
+
+def placements(chunks: Sequence[Any]) -> dict[str, Placement]:
+    """Every parameter of this rank's ``chunks``, by its name in the worker's model
+    (``"<chunk>."``-prefixed under virtual stages), in ``named_parameters`` order."""
+    from megatron.core import parallel_state
+
+    from skyrl_train.workers.megatron.tensor_parallel import is_gated, tensor_parallel_of
+
+    ep_rank = parallel_state.get_expert_model_parallel_rank()
+    found: dict[str, Placement] = {}
+    for index, chunk in enumerate(chunks):
+        prefix = f"{index}." if len(chunks) > 1 else ""
+        for name, param in chunk.named_parameters():
+            key = name
+            layer_match = _LAYER.match(name)
+            if layer_match is not None:
+                layer = chunk.decoder.layers[int(layer_match.group(1))]
+                rest = layer_match.group(2)
+                expert_match = _EXPERT.match(rest)
+                if expert_match is not None:
+                    local = len(layer.mlp.experts.local_experts)
+                    number = ep_rank * local + int(expert_match.group(1))
+                    rest = f"mlp.experts.local_experts.{number}.{expert_match.group(2)}"
+                # Megatron numbers layers from 1, globally.
+                key = f"decoder.layers.{layer.layer_number - 1}.{rest}"
+            tp_rank, tp_size, _group = tensor_parallel_of(param)
+            found[prefix + name] = Placement(
+                key=key,
+                dim=int(getattr(param, "partition_dim", 0)) if tp_size > 1 else 0,
+                tp_rank=tp_rank,
+                tp_size=tp_size,
+                gated=is_gated(name),
+            )
+    return found
+
+
+def placement_record(chunks: Sequence[Any]) -> list[dict[str, Any]]:
+    """``placements`` as a rank file stores them: plain data, in parameter order (the
+    order of AdamW's state indexes)."""
+    return [{"name": name, **dataclasses.asdict(p)} for name, p in placements(chunks).items()]
+
+
+def saved_layout(folder: Path) -> SavedLayout:
+    """The world size and layout rank 0's file of ``folder`` was written under (its
+    tensors are mapped, not read)."""
+    path = checkpoint_file(folder, 0)
+    state = _read(path)
+    layout = state.get("layout")
+    return SavedLayout(
+        world_size=state.get("world_size"),
+        layout=dict(layout) if isinstance(layout, dict) else {},
+        reshardable=isinstance(state.get(PLACEMENT_KEY), list),
+    )
+
+
+def same_layout(saved: SavedLayout, *, world_size: int, layout: Mapping[str, Any]) -> bool:
+    """Whether a rank of this run (``world_size`` ranks, ``layout``) resumes its own
+    rank file as it is; a key the file predates has its ``LAYOUT_DEFAULTS`` value."""
+    if saved.world_size != world_size:
+        return False
+    return all(
+        saved.layout.get(name, LAYOUT_DEFAULTS.get(name)) == value for name, value in layout.items()
+    )
+
+
+@dataclass(frozen=True)
+class Resharded:
+    """What a rank restored from another layout's checkpoint."""
+
+    parameters: int
+    moments: int
+    """Parameters whose AdamW state was restored (0 for a checkpoint before any step)."""
+    rng_from: int | None
+    """The old rank whose RNG states this rank restored; None when there was none."""
+
+
+def load_resharded(
+    folder: Path,
+    *,
+    rank: int,
+    saved_world_size: int,
+    model: torch.nn.Module,
+    chunks: Sequence[Any],
+    optimizer: torch.optim.Optimizer,
+) -> Resharded:
+    """Restore this rank's ``model`` parameters and ``optimizer`` state (AdamW) from
+    the ``saved_world_size`` rank files of ``folder``, written under another layout.
+
+    Every refusal is a ``CheckpointError`` naming the file and the parameter: a file
+    without placement records, a parameter no file holds, shards that do not tile it.
+    Nothing is copied until every tensor of this rank was assembled.
+    """
+    states = [_read(checkpoint_file(folder, old)) for old in range(saved_world_size)]
+    pieces = _index(folder, states)
+    mine = placements(chunks)
+    params = dict(model.named_parameters())
+    if list(mine) != list(params):
+        raise RuntimeError("placements: expected the model's own parameter names")
+    weights: dict[str, torch.Tensor] = {}
+    moments: dict[str, dict[str, Any]] = {}
+    group: dict[str, Any] | None = None
+    for name, want in mine.items():
+        found = pieces.get(want.key)
+        if found is None:
+            raise CheckpointError(
+                RESUME_KEY,
+                folder,
+                expected=f"a rank file holding {want.key} (this run's {name})",
+                got=f"none of the {saved_world_size} rank files does",
+            )
+        weights[name] = _cut(folder, found, want, params[name], "model")
+        first = found[0]
+        state = first.optimizer.get("state", {}).get(first.index)
+        if group is None:
+            group = _param_group(first.file, first.optimizer)
+        if state is not None:
+            restored = {"step": state["step"].clone()}
+            for moment in _MOMENTS:
+                restored[moment] = _cut(folder, found, want, params[name], moment)
+            moments[name] = restored
+    rng_from = rank if rank < saved_world_size else None
+    # Checked before anything is restored: a bad RNG field leaves the model as it was.
+    rng = None
+    if rng_from is not None:
+        rng = RngState.read(states[rng_from], checkpoint_file(folder, rng_from))
+    order = list(params)
+    assert group is not None
+    optimizer.load_state_dict(
+        {
+            "state": {order.index(name): value for name, value in moments.items()},
+            "param_groups": [{**group, "params": list(range(len(order)))}],
+        }
+    )
+    with torch.no_grad():
+        for name, value in weights.items():
+            params[name].copy_(value)
+    if rng is not None:
+        rng.restore()
+    return Resharded(parameters=len(weights), moments=len(moments), rng_from=rng_from)
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+@dataclass(frozen=True)
+class _Piece:
+    """One old rank's shard of a parameter."""
+
+    file: Path
+    name: str
+    index: int
+    """Its index in that rank's AdamW state."""
+    placement: Placement
+    model: Mapping[str, torch.Tensor]
+    optimizer: Mapping[str, Any]
+
+
+def _read(path: Path) -> dict[str, Any]:
+    try:
+        state = read_plain(path, mmap=True)
+    except Exception as exc:
+        raise CheckpointError(
+            RESUME_KEY,
+            path,
+            expected="a rank file torch.load(weights_only=True) reads",
+            got=f"{type(exc).__name__}: {exc}",
+        ) from None
+    if not isinstance(state, dict):
+        raise CheckpointError(
+            RESUME_KEY, path, expected="a dict of rank state", got=type(state).__name__
+        )
+    return state
+
+
+def _index(folder: Path, states: list[dict[str, Any]]) -> dict[str, list[_Piece]]:
+    """Each layout-free key's shards over the old rank files; a shard that data- or
+    pipeline-parallel replicas hold twice is listed once per holder."""
+    pieces: dict[str, list[_Piece]] = {}
+    for old, state in enumerate(states):
+        path = checkpoint_file(folder, old)
+        record = state.get(PLACEMENT_KEY)
+        if not isinstance(record, list):
+            raise CheckpointError(
+                RESUME_KEY,
+                path,
+                expected=f"'{PLACEMENT_KEY}' records, to resume under another layout "
+                "(written since resharding, docs/parallel-layouts.md)",
+                got=f"none (resume it under its own layout: {state.get('layout')!r}, "
+                f"{state.get('world_size')!r} ranks)",
+            )
+        for index, entry in enumerate(record):
+            try:
+                name = entry["name"]
+                placement = Placement(**{f: entry[f] for f in _FIELDS})
+            except (KeyError, TypeError) as exc:
+                raise CheckpointError(
+                    RESUME_KEY,
+                    path,
+                    expected=f"{PLACEMENT_KEY}[{index}]: a dict of name, {', '.join(_FIELDS)}",
+                    got=f"{type(exc).__name__}: {exc}",
+                ) from None
+            piece = _Piece(path, name, index, placement, state["model"], state["optimizer"])
+            pieces.setdefault(placement.key, []).append(piece)
+    return pieces
+
+
+def _param_group(path: Path, optimizer: Mapping[str, Any]) -> dict[str, Any]:
+    groups = optimizer.get("param_groups")
+    if not isinstance(groups, list) or len(groups) != 1:
+        raise CheckpointError(
+            RESUME_KEY,
+            path,
+            expected="one AdamW parameter group",
+            got=f"{len(groups) if isinstance(groups, list) else groups!r}",
+        )
+    return {k: v for k, v in groups[0].items() if k != "params"}
+
+
+def _cut(
+    folder: Path,
+    found: list[_Piece],
+    want: Placement,
+    param: torch.Tensor,
+    what: str,
+) -> torch.Tensor:
+    """This rank's shard of ``want.key``'s whole tensor (``what``: the weight, "model",
+    or an AdamW moment), joined from the old shards."""
+    from skyrl_train.workers.megatron.tensor_parallel import join_shards, shard_of
+
+    size = found[0].placement.tp_size
+    shards: dict[int, torch.Tensor] = {}
+    for piece in found:
+        if piece.placement.tp_size != size or piece.placement.dim != found[0].placement.dim:
+            raise CheckpointError(
+                RESUME_KEY,
+                piece.file,
+                expected=f"{piece.name} ({want.key}) split as in {found[0].file.name} "
+                f"(TP {size}, dim {found[0].placement.dim})",
+                got=f"TP {piece.placement.tp_size}, dim {piece.placement.dim}",
+            )
+        if what == "model":
+            tensor = piece.model.get(piece.name)
+        else:
+            tensor = (piece.optimizer["state"].get(piece.index) or {}).get(what)
+        if not isinstance(tensor, torch.Tensor):
+            raise CheckpointError(
+                RESUME_KEY,
+                piece.file,
+                expected=f"{piece.name}'s {what} ({want.key}), as its other shards have",
+                got=type(tensor).__name__,
+            )
+        shards.setdefault(piece.placement.tp_rank, tensor)
+    if sorted(shards) != list(range(size)):
+        raise CheckpointError(
+            RESUME_KEY,
+            folder,
+            expected=f"{want.key}'s {what}: TP shards {list(range(size))}",
+            got=f"shards {sorted(shards)}",
+        )
+    whole = join_shards(
+        [shards[r] for r in range(size)], dim=found[0].placement.dim, gated=want.gated
+    )
+    cut = shard_of(param, whole, gated=want.gated)
+    if cut.shape != param.shape:
+        raise CheckpointError(
+            RESUME_KEY,
+            found[0].file,
+            expected=f"{want.key}'s {what}: a shard of shape {tuple(param.shape)} for this layout",
+            got=f"{tuple(cut.shape)} from the whole {tuple(whole.shape)}",
+        )
+    return cut.clone()
+
+
+# ------------------------------------------------------------ a trainer rank's file
+
+
+def rank_checkpoint(worker: Any, *, world_size: int, layout: dict[str, Any]) -> dict[str, Any]:
+    """What a trainer rank saves (``rank_state.save_rank_state`` writes it): its model
+    and AdamW state, RNG states, the layout it ran under and its ``placement``."""
+    from skyrl_train.runs.rank_state import rng_state
+
+    assert worker.optimizer is not None
+    return {
+        "world_size": world_size,
+        "layout": layout,
+        "model": worker.model.state_dict(),
+        "optimizer": worker.optimizer.state_dict(),
+        "rng": rng_state(),
+        PLACEMENT_KEY: placement_record(worker.chunks),
+    }
+
+
+def restore_rank(
+    folder: Path, worker: Any, *, rank: int, world_size: int, layout: dict[str, Any]
+) -> Resharded | None:
+    """Restore a trainer rank from ``folder``: its own rank file when the checkpoint
+    was written under this layout (None returned), else resharded (``load_resharded``).
+
+    A checkpoint without placement records (written before resharding) goes the
+    same-layout way, whose checks refuse another layout naming the config key.
+    """
+    from skyrl_train.runs.rank_state import load_rank_state
+
+    try:
+        saved: SavedLayout | None = saved_layout(folder)
+    except CheckpointError:
+        saved = None  # load_rank_state names what is wrong with the file
+    if (
+        saved is not None
+        and saved.reshardable
+        and not same_layout(saved, world_size=world_size, layout=layout)
+    ):
+        assert saved.world_size is not None and worker.optimizer is not None
+        return load_resharded(
+            folder,
+            rank=rank,
+            saved_world_size=saved.world_size,
+            model=worker.model,
+            chunks=worker.chunks,
+            optimizer=worker.optimizer,
+        )
+    state = load_rank_state(folder, rank=rank, world_size=world_size, layout=layout)
+    # Checked before anything is restored: a bad RNG field leaves the model as it was.
+    rng = RngState.read(state, checkpoint_file(folder, rank))
+    assert worker.optimizer is not None
+    worker.model.load_state_dict(state["model"])
+    worker.optimizer.load_state_dict(state["optimizer"])
+    rng.restore()
+    return None
