@@ -89,7 +89,6 @@ def _launch_held(cfg: PPOConfig, claim: RunDirClaim) -> Iterator[Job]:
     from skyrl_train.runs.folder import resolve_resume
     from skyrl_train.trainer.engine_clients import ClientOptions
     from skyrl_train.trainer.loop import GRPOLoop
-    from skyrl_train.trainer.policy_group import PolicyGroup
 
     # Every dataset row is checked (and its environment built once) now: a bad row
     # fails naming file, row and key before Ray or any model starts.
@@ -110,31 +109,58 @@ def _launch_held(cfg: PPOConfig, claim: RunDirClaim) -> Iterator[Job]:
         placement = cfg.trainer.placement
         trainer_cpus = (placement.num_trainers, placement.cpus_per_trainer)
         more_cpus = {"trainer.placement.cpus_per_trainer": trainer_cpus}
+        trainers = _TrainerRanks(cfg, checkpoint=str(checkpoint), pad_token_id=info.pad_token_id)
         with serving(
-            cfg, checkpoint, more_cpus=more_cpus, log_dir=run_dir / ENGINE_LOGS
+            cfg, checkpoint, more_cpus=more_cpus, log_dir=run_dir / ENGINE_LOGS, beside=trainers
         ) as engines:
             urls, server_key = engines.urls, engines.api_key
-            policy: Any = None
-            try:
-                policy = PolicyGroup.place(
-                    cfg, checkpoint=str(checkpoint), pad_token_id=info.pad_token_id
-                )
-                policy.setup()
-                loop = GRPOLoop(
-                    cfg,
-                    tokenizer=info.tokenizer,
-                    server_urls=urls,
-                    policy=policy,
-                    pad_token_id=info.pad_token_id,
-                    api_key=server_key,
-                    datasets=datasets,
-                    client_options=ClientOptions.for_run(cfg, info, api_key=server_key),
-                    vocab_size=info.architecture.vocab_size,
-                )
-                yield Job(cfg=cfg, server_urls=urls, policy=policy, loop=loop, api_key=server_key)
-            finally:
-                if policy is not None:
-                    policy.kill()
+            policy = trainers.ready()
+            loop = GRPOLoop(
+                cfg,
+                tokenizer=info.tokenizer,
+                server_urls=urls,
+                policy=policy,
+                pad_token_id=info.pad_token_id,
+                api_key=server_key,
+                datasets=datasets,
+                client_options=ClientOptions.for_run(cfg, info, api_key=server_key),
+                vocab_size=info.architecture.vocab_size,
+            )
+            yield Job(cfg=cfg, server_urls=urls, policy=policy, loop=loop, api_key=server_key)
+
+
+class _TrainerRanks(contextlib.AbstractContextManager["_TrainerRanks"]):
+    """The trainer ranks, placed as soon as Ray is up and built while the inference
+    servers load: each is a process importing torch and building a model, seconds of
+    one core's work that queued one after the other before. Exiting removes them,
+    before the servers stop and Ray goes."""
+
+    def __init__(self, cfg: PPOConfig, *, checkpoint: str, pad_token_id: int) -> None:
+        self.cfg, self.checkpoint, self.pad_token_id = cfg, checkpoint, pad_token_id
+        self.group: Any = None
+        self.pending: list[Any] = []
+
+    def __enter__(self) -> _TrainerRanks:
+        from skyrl_train.trainer.policy_group import PolicyGroup
+
+        self.group = PolicyGroup.place(
+            self.cfg, checkpoint=self.checkpoint, pad_token_id=self.pad_token_id
+        )
+        try:
+            self.pending = self.group.start_setup()
+        except BaseException:
+            self.group.kill()
+            raise
+        return self
+
+    def ready(self) -> Any:
+        """The ``PolicyGroup``, every rank built."""
+        self.group.finish_setup(self.pending)
+        return self.group
+
+    def __exit__(self, *exc: object) -> None:
+        if self.group is not None:
+            self.group.kill()
 
 
 @contextlib.contextmanager
@@ -144,12 +170,15 @@ def serving(
     *,
     more_cpus: Mapping[str, tuple[int, float]] | None = None,
     log_dir: Path | None = None,
+    beside: contextlib.AbstractContextManager[Any] | None = None,
 ) -> Iterator[Engines]:
     """Start or join Ray and the run's inference servers on ``checkpoint`` (or take
     ``remote_urls``); on exit stop every server and the Ray this started, whatever
     ended the run. ``more_cpus``: the other actors the caller will place, checked with
     the servers' CPUs before anything starts (``require_cpus``). ``log_dir``: where
-    each server writes ``engine-<i>.log``, kept after the run (``Engines.log_dir``)."""
+    each server writes ``engine-<i>.log``, kept after the run (``Engines.log_dir``).
+    ``beside``: entered once Ray is up, before the servers start, and exited before
+    they stop (the launch's trainer ranks)."""
     from skyrl_train.trainer.engines import Engines
     from skyrl_train.utils.ray_session import require_cpus, start_ray
 
@@ -176,16 +205,19 @@ def serving(
             },
             local=cfg.ray.address is None,
         )
-        # builtin or vLLM servers on the checkpoint folder, or remote_urls as given.
-        engines.start(checkpoint, api_key=api_key)
-        try:
-            yield engines
-        except Exception:
-            # A server killed mid-run surfaces as a connection error in some step, and
-            # vLLM's dead EngineCore as an HTTP 500: name the engine that stopped, with
-            # its last log lines (EngineStoppedError), as well.
-            engines.check_alive()
-            raise
+        with contextlib.ExitStack() as stack:
+            if beside is not None:
+                stack.enter_context(beside)
+            # builtin or vLLM servers on the checkpoint folder, or remote_urls as given.
+            engines.start(checkpoint, api_key=api_key)
+            try:
+                yield engines
+            except Exception:
+                # A server killed mid-run surfaces as a connection error in some step, and
+                # vLLM's dead EngineCore as an HTTP 500: name the engine that stopped, with
+                # its last log lines (EngineStoppedError), as well.
+                engines.check_alive()
+                raise
     finally:
         engines.stop()  # every server process, vLLM's whole process groups included
         ray_session.shutdown()

@@ -42,6 +42,7 @@ from skyrl_train.trainer.data_parallel import (
 )
 from skyrl_train.trainer.policy import PolicyTrainer, RankInfo
 from skyrl_train.utils.durable import write_file
+from skyrl_train.utils.ray_session import reserve_bundles
 
 
 class PolicyGroup:
@@ -56,22 +57,43 @@ class PolicyGroup:
         """The checkpoint folder the ranks loaded: exports copy its config and tokenizer."""
         self.ranks: list[RankInfo] = []
         self._rendezvous = ""
+        self.placement_group: Any = None
+        """The ranks' Ray placement group (``trainer.placement.strategy``), or None."""
         self.received_rows: list[int] = []
         """Rows each rank reported training on in the last ``train`` call (by rank)."""
 
     @classmethod
     def place(cls, cfg: PPOConfig, *, checkpoint: str, pad_token_id: int) -> PolicyGroup:
         """One actor per trainer rank, ``cpus_per_trainer`` CPUs each (not built yet),
-        each to load the model folder ``checkpoint``."""
+        each to load the model folder ``checkpoint``; with ``trainer.placement.strategy``
+        rank i in bundle i of one placement group reserved first."""
         import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         placement = cfg.trainer.placement
-        remote = ray.remote(PolicyTrainer).options(num_cpus=placement.cpus_per_trainer)
-        actors = [
-            remote.remote(cfg, checkpoint=checkpoint, pad_token_id=pad_token_id)
-            for _ in range(placement.num_trainers)
-        ]
-        return cls(cfg, actors, model_folder=checkpoint)
+        group = None
+        if placement.strategy is not None:
+            group = reserve_bundles(
+                [{"CPU": placement.cpus_per_trainer}] * placement.num_trainers,
+                strategy=placement.strategy,
+                key="trainer.placement.strategy",
+            )
+        remote = ray.remote(PolicyTrainer)
+        actors = []
+        for rank in range(placement.num_trainers):
+            options: dict[str, Any] = {"num_cpus": placement.cpus_per_trainer}
+            if group is not None:
+                options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+                    group, placement_group_bundle_index=rank
+                )
+            actors.append(
+                remote.options(**options).remote(
+                    cfg, checkpoint=checkpoint, pad_token_id=pad_token_id
+                )
+            )
+        placed = cls(cfg, actors, model_folder=checkpoint)
+        placed.placement_group = group
+        return placed
 
     @property
     def world_size(self) -> int:
@@ -84,14 +106,25 @@ class PolicyGroup:
     def setup(self) -> list[RankInfo]:
         """Rendezvous at rank 0's node and build every rank's worker concurrently
         (``init_process_group`` blocks until all ranks have joined)."""
+        return self.finish_setup(self.start_setup())
+
+    def start_setup(self) -> list[Any]:
+        """Start building every rank's worker and return without waiting for it (only
+        for rank 0's rendezvous address): a launch builds the ranks while its servers
+        load (``main_base``)."""
         import ray
 
         init_method = ray.get(self.actors[0].rendezvous.remote())
         self._rendezvous = init_method
-        refs = [
+        return [
             actor.setup.remote(rank=rank, world_size=self.world_size, init_method=init_method)
             for rank, actor in enumerate(self.actors)
         ]
+
+    def finish_setup(self, refs: list[Any]) -> list[RankInfo]:
+        """Wait for the builds ``start_setup`` began; the ranks' ``RankInfo``."""
+        import ray
+
         # Raise as soon as one rank fails: the others wait in init_process_group for
         # it (gloo's default timeout is 30 minutes) until the teardown kills them.
         pending = refs
@@ -107,6 +140,9 @@ class PolicyGroup:
         for actor in self.actors:
             ray.kill(actor)
         self.actors = []
+        if self.placement_group is not None:
+            ray.util.remove_placement_group(self.placement_group)
+            self.placement_group = None
         if self._rendezvous.startswith("file://"):
             # Rank 0 made the folder on this machine (a file rendezvous is local only).
             shutil.rmtree(Path(self._rendezvous.removeprefix("file://")).parent, True)
