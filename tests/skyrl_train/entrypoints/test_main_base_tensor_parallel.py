@@ -3,7 +3,9 @@ R3: two GRPO steps with every route replayed, weights pushed from both TP ranks'
 shards (the served-weights check compares the engine's logprobs with the trainer's),
 per-rank checkpoints that restore the same served weights, an HF export gathered from
 the shards, and the first step against the same step on one rank (fp32 rollouts give
-both runs the same batch)."""
+both runs the same batch). TP=2 x EP=2 at expert tensor size 1 (each rank half the
+experts, whole) trains the same two steps with every route replayed and the one
+rank's first step."""
 
 from __future__ import annotations
 
@@ -39,6 +41,12 @@ TENSOR_PARALLEL = with_overrides(
     f"{MC}.tensor_model_parallel_size=2",
     "logging.plot=false",
     "trainer.hf_save_interval=1",
+)
+TENSOR_X_EXPERT = with_overrides(
+    TENSOR_PARALLEL,
+    f"{MC}.expert_model_parallel_size=2",
+    f"{MC}.expert_tensor_parallel_size=1",
+    "trainer.ckpt_interval=0",  # checkpoints: the TP=2 run above
 )
 ONE_RANK = with_overrides(
     TENSOR_PARALLEL,
@@ -80,6 +88,18 @@ def one_rank(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, float]
     with launch(cfg) as job:
         (metrics,) = job.train()
     return metrics, run_dir
+
+
+@pytest.fixture(scope="module")
+def tensor_x_expert(tmp_path_factory: pytest.TempPathFactory) -> Run:
+    run_dir = tmp_path_factory.mktemp("r3_tp2xep2") / "run"
+    cfg = load_config([*TENSOR_X_EXPERT, f"trainer.run_dir={run_dir}"])
+    with launch(cfg) as job:
+        before = probe(job.server_urls[0], job.api_key)
+        history = job.train()
+        after = probe(job.server_urls[0], job.api_key)
+        ranks = list(job.policy.ranks)
+    return Run(cfg, history, ranks, before, after, after_reload=[])
 
 
 def test_two_tensor_parallel_ranks_train_with_every_route_replayed(tensor_parallel: Run) -> None:
@@ -168,3 +188,69 @@ def test_the_export_gathers_whole_tensors(
     beyond = sum(int((sharded[n] - single[n]).abs().gt(1e-5).sum()) for n in single)
     assert beyond <= 1e-4 * total, beyond
     assert max(float((sharded[n] - single[n]).abs().max()) for n in single) <= 1e-3
+
+
+def test_tensor_x_expert_parallel_trains_with_every_route_replayed_as_one_rank(
+    tensor_x_expert: Run, one_rank: tuple[dict[str, float], Path]
+) -> None:
+    """TP=2 x EP=2 (ETP=1) on 2 ranks: one data-parallel rank, two expert ranks."""
+    run = tensor_x_expert
+    assert [(r.rank, r.dp_rank, r.dp_size, r.tp_size, r.ep_size) for r in run.ranks] == [
+        (0, 0, 1, 2, 2),
+        (1, 0, 1, 2, 2),
+    ]
+    assert len(run.history) == 2
+    for metrics in run.history:
+        assert metrics["r3/router_agreement_trained"] == 1.0
+        assert metrics["served_weights/median_abs_logp_diff"] <= 1e-4, metrics
+    assert run.before != run.after
+    first, single = run.history[0], one_rank[0]
+    assert first["reward/mean"] == single["reward/mean"]
+    for key in (
+        "train/policy_loss",
+        "train/grad_norm",
+        "policy/entropy",
+        "mismatch_trained/mean_abs_logp_diff",
+        "r3/router_agreement_native",
+        "r3/num_token_layers",
+    ):
+        assert first[key] == pytest.approx(single[key], rel=1e-5, abs=1e-6), key
+    # The export gathers experts over EP (not TP): whole tensors, the one rank's update.
+    step = Path("exports") / "global_step_1"
+    sharded = _weights(Path(run.cfg.trainer.run_dir) / step)
+    whole = _weights(one_rank[1] / step)
+    assert {n: t.shape for n, t in sharded.items()} == {n: t.shape for n, t in whole.items()}
+    total = sum(t.numel() for t in whole.values())
+    beyond = sum(int((sharded[n] - whole[n]).abs().gt(1e-5).sum()) for n in whole)
+    assert beyond <= 1e-4 * total, beyond
+
+
+RESHARDED = with_overrides(ONE_RANK, "trainer.num_steps=2", "trainer.hf_save_interval=0")
+
+
+def test_a_tensor_parallel_checkpoint_resumes_on_one_rank_resharded(
+    tensor_parallel: Run, tmp_path: Path
+) -> None:
+    """The TP=2 run's step-1 checkpoint resumed by one TP=1 rank (runs/reshard.py,
+    issue 39 item 5): its step 2 is the TP=2 run's step 2, the same rollouts (the engine
+    is pushed the same weights) and the update within the one-rank tolerance above."""
+    checkpoint = Path(tensor_parallel.cfg.trainer.run_dir) / "checkpoints" / "step_000001"
+    cfg = load_config(
+        [*RESHARDED, f"trainer.run_dir={tmp_path / 'run'}", f"trainer.resume_from={checkpoint}"]
+    )
+    with launch(cfg) as job:
+        (resumed,) = job.train()
+        (rank,) = job.policy.ranks
+    assert (rank.world_size, rank.tp_size) == (1, 1)
+    want = tensor_parallel.history[1]
+    assert resumed["reward/mean"] == want["reward/mean"]
+    assert resumed["r3/router_agreement_trained"] == 1.0
+    for key in (
+        "train/policy_loss",
+        "train/grad_norm",
+        "policy/entropy",
+        "mismatch_trained/mean_abs_logp_diff",
+        "r3/router_agreement_native",
+        "r3/num_token_layers",
+    ):
+        assert resumed[key] == pytest.approx(want[key], rel=1e-5, abs=1e-6), key
