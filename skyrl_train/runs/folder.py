@@ -61,15 +61,17 @@ RUN_ARTEFACTS: tuple[tuple[str, str], ...] = (
     (MARKER_FILE, "the marker a launch writes first"),
     (f"{CHECKPOINTS_DIR}/step_*", "a checkpoint or an unfinished save"),
     ("metrics.jsonl*", "the jsonl tracker's metrics"),
-    ("metrics.png", "the end-of-run plot"),
-    ("main_base.log", "the job log"),
-    ("engines/engine-*.log", "an inference engine's log"),
     ("tensorboard", "the tensorboard tracker's events"),
     ("wandb", "the wandb tracker's files"),
     (f"{EXPORTS_DIR}/global_step_*", "a Hugging Face export or an unfinished one"),
+    ("metrics.png", "the end-of-run plot"),
+    ("main_base.log", "the job log"),
+    ("engines/engine-*.log", "an inference engine's log"),
 )
 """Glob patterns, under ``run_dir``, of everything a run writes there, and what each
-is. The mlflow tracker writes nothing there (its store is MLflow's own setting)."""
+is, in the order a refusal names them: a run's results before its logs, which every
+launch writes and which say least about what would be lost. The mlflow tracker writes
+nothing there (its store is MLflow's own setting)."""
 
 _LISTED = 4
 """Artefacts a refusal names one by one; more are counted."""

@@ -173,5 +173,6 @@ def test_two_launches_together_one_runs_and_a_later_one_into_its_tensorboard_run
     assert "trainer.run_dir: expected a folder no other run has written to" in second.stderr
     # The first few artefacts are named, the rest counted.
     assert "checkpoints/step_000001 (" in second.stderr
+    assert "tensorboard (" in second.stderr  # a result, named before the run's logs
     assert "Started a local Ray instance" not in second.stdout + second.stderr
     assert snapshot(run_dir) == before
