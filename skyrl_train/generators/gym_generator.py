@@ -82,7 +82,7 @@ class GymGenerator:
         check_constraints(config, prefix="generator")
         sampling = "eval_sampling_params" if evaluation else "sampling_params"
         self.sampling: SamplingParamsConfig = getattr(config, sampling)
-        check_sampling_params(self.sampling, f"generator.{sampling}")
+        check_sampling_params(self.sampling, f"generator.{sampling}", vocab_size=vocab_size)
         self.config = config
         self.return_routed_experts = (
             not evaluation and config.inference_engine.enable_return_routed_experts

@@ -413,6 +413,11 @@ def test_bad_inputs_fail_before_any_request(tokenizer):
         generator(wrapper, tokenizer, config(max_turns=0))
     with pytest.raises(ConfigValidationError, match=r"^generator.sampling_params.temperature"):
         generator(wrapper, tokenizer, config(temperature=-1.0))
+    # The server refuses a top_k wider than the vocabulary on every request.
+    with pytest.raises(
+        ConfigValidationError, match=r"^generator.sampling_params.top_k: .* got 300"
+    ):
+        generator(wrapper, tokenizer, config(top_k=300), vocab_size=264)
     bad_eval = config()
     bad_eval.eval_sampling_params.temperature = -1.0  # checked only where it is used
     generator(wrapper, tokenizer, bad_eval)
