@@ -6,7 +6,10 @@ mean what they mean there), and no trainer: read top to bottom, it validates the
 config, loads the rows and builds each row's environment once, starts or joins Ray and
 the inference servers only, samples every row ``generator.eval_n_samples_per_prompt``
 times, writes ``<trainer.run_dir>/eval.json`` and stops everything it started,
-whatever happened. Its log lines also go to ``<trainer.run_dir>/evaluate.log``.
+whatever happened. Its log lines also go to ``<trainer.run_dir>/evaluate.log``, and
+each server it starts writes ``<trainer.run_dir>/evaluate-engines/engine-<i>.log``
+(kept: a failed evaluation's error quotes its tail; not ``engines/``, which would mark
+the folder as a training run's).
 
 ``eval.json`` (``trainer.evaluation.evaluate`` builds it): the settings it ran with;
 ``ks``, the powers of two up to n and n itself; ``overall`` and ``by_data_source``,
@@ -43,6 +46,7 @@ logger = logging.getLogger("skyrl_train.entrypoints.evaluate")
 
 REPORT_NAME = "eval.json"
 LOG_NAME = "evaluate.log"
+ENGINE_LOGS = "evaluate-engines"
 
 
 def run(cfg: PPOConfig) -> dict[str, Any]:
@@ -74,7 +78,7 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
             logger.warning("%s; the row is left out of the scores", failure)
         checkpoint = model_checkpoint(cfg.model)
         info = inspect_folder(checkpoint)
-        with serving(cfg, checkpoint) as engines:
+        with serving(cfg, checkpoint, log_dir=run_dir / ENGINE_LOGS) as engines:
             logger.info("inference servers: %s", ", ".join(engines.urls))
             options = ClientOptions.for_run(cfg, info, api_key=engines.api_key)
 

@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 from _e2e import new_pids
 
+from skyrl_train.runs.folder import run_artefacts
+
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[3]
@@ -108,7 +110,14 @@ def test_one_row_end_to_end_leaves_eval_json_and_nothing_running(tmp_path: Path)
         assert (figures["rows"], figures["samples"], figures["failed_rows"]) == (1, 2, 0)
         assert 0.0 <= figures["pass@1"] <= figures["pass@2"] <= 1.0
         assert figures["response_length_mean"] >= 1
-    # Only eval.json and the log: an evaluation does not claim the folder as a run's.
-    assert sorted(p.name for p in run_dir.iterdir()) == ["eval.json", "evaluate.log"]
+    # Only eval.json and the logs: an evaluation does not claim the folder as a run's.
+    assert sorted(p.name for p in run_dir.iterdir()) == [
+        "eval.json",
+        "evaluate-engines",
+        "evaluate.log",
+    ]
+    assert run_artefacts(run_dir) == []
+    # The server's own log is kept, beside the evaluation's.
+    assert "starting the engine on" in (run_dir / "evaluate-engines" / "engine-0.log").read_text()
     assert "eval.json: 1 rows x 2 samples, 0 failed" in (run_dir / "evaluate.log").read_text()
     assert "inference servers: http://127.0.0.1:" in done.stdout
