@@ -45,6 +45,8 @@ LAYOUTS: dict[str, tuple[dict[str, Any], tuple[str, ...]]] = {
     "TP=2 x EP=2 (ETP=1), alltoall": ({**TP2XEP2, **ALLTOALL}, CASES),
     "TP=2, alltoall": ({"tensor_model_parallel_size": 2, **ALLTOALL}, ("builtin",)),
     "EP=2, alltoall": ({"expert_model_parallel_size": 2, **ALLTOALL}, ("builtin",)),
+    # Two data-parallel replicas, each a one-rank model: the dispatcher only permutes.
+    "DP=2, alltoall": (ALLTOALL, ("builtin",)),
 }
 
 
