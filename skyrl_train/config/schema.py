@@ -395,11 +395,22 @@ class AlgorithmConfig:
     )
 
 
+PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+"""Ray's placement-group strategies (``ray.util.placement_group``)."""
+
+
 @dataclass
 class PlacementConfig:
     num_trainers: int = setting(1, ge=1)
     """Policy trainer processes (Megatron world size)."""
     cpus_per_trainer: float = setting(1.0, gt=0.0)
+    strategy: str | None = setting(None, choices=PLACEMENT_STRATEGIES)
+    """null: Ray places each rank alone, by its CPUs. A Ray placement-group strategy:
+    the ranks are reserved together in one placement group, a bundle of
+    ``cpus_per_trainer`` CPUs per rank (rank i in bundle i); ``STRICT_SPREAD`` puts
+    every rank on a node of its own (refused with more than one rank on a local Ray,
+    which has one node), ``STRICT_PACK`` all on one node
+    (docs/cluster-and-security.md)."""
 
 
 @dataclass

@@ -692,6 +692,15 @@ def _check_trainer(cfg: PPOConfig, *, evaluation: bool) -> None:
             expected="null with generator.n_samples_per_prompt 1 (every group of one is flat)",
             got=repr(ds.type),
         )
+    placement = tr.placement
+    if placement.strategy == "STRICT_SPREAD" and placement.num_trainers > 1 and not cfg.ray.address:
+        # Ray would wait forever for a second node that a local Ray never gets.
+        raise ConfigValidationError(
+            "trainer.placement.strategy",
+            expected="PACK, SPREAD, STRICT_PACK or null on a local Ray (ray.address=null: "
+            "one node), or a cluster in ray.address",
+            got=f"'STRICT_SPREAD' with {placement.num_trainers} ranks (a node per rank)",
+        )
 
 
 def _check_megatron(cfg: PPOConfig, arch: MoEArchitecture, mc: MegatronConfig, prefix: str) -> None:

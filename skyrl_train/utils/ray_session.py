@@ -18,12 +18,13 @@ nodes have them, before the launch starts.
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import logging
 import os
 import socket
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,7 +63,8 @@ def start_ray(
         return RaySession(started=False, node_ip=ray.util.get_node_ip_address())
     env = dict(runtime_env) or None
     if address is not None:
-        ray.init(address=address, runtime_env=env, include_dashboard=False)
+        with _loopback_stays_loopback(_is_loopback_address(address)):
+            ray.init(address=address, runtime_env=env, include_dashboard=False)
         return RaySession(started=True, node_ip=ray.util.get_node_ip_address())
 
     mode = os.environ.get("RAY_AUTH_MODE")
@@ -86,13 +88,8 @@ def start_ray(
 
 def _init_on_loopback(*, num_cpus: int | None, runtime_env: dict[str, Any] | None) -> None:
     import ray
-    from ray._private import ray_constants
 
-    # Ray reads this switch when it resolves the node address during init; off, a
-    # loopback ``_node_ip_address`` stays loopback and every gRPC server binds to it.
-    saved = ray_constants.ENABLE_RAY_CLUSTER
-    ray_constants.ENABLE_RAY_CLUSTER = False
-    try:
+    with _loopback_stays_loopback(True):
         ray.init(
             # "local": a new instance even where a `ray start` cluster runs on this
             # machine; without it ray.init joins that cluster (and refuses num_cpus).
@@ -102,8 +99,66 @@ def _init_on_loopback(*, num_cpus: int | None, runtime_env: dict[str, Any] | Non
             include_dashboard=False,
             _node_ip_address=LOOPBACK,
         )
+
+
+def _is_loopback_address(address: str) -> bool:
+    """``ray.address`` names a cluster on this machine's loopback (``127.0.0.1:6379``,
+    ``localhost:6379``); ``auto`` and outward addresses do not."""
+    host = address.removeprefix("ray://").rsplit(":", 1)[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+@contextlib.contextmanager
+def _loopback_stays_loopback(on: bool) -> Iterator[None]:
+    """Ray reads this switch when it resolves addresses during ``ray.init``: on (Linux's
+    default), it rewrites 127.0.0.1 to the host's outward address, where neither this
+    launch's Ray nor a loopback-only cluster listens (a join then fails "Failed to
+    connect to GCS"); off, a loopback node address stays loopback and every gRPC
+    server of this process binds to it."""
+    from ray._private import ray_constants
+
+    saved = ray_constants.ENABLE_RAY_CLUSTER
+    if on:
+        ray_constants.ENABLE_RAY_CLUSTER = False
+    try:
+        yield
     finally:
         ray_constants.ENABLE_RAY_CLUSTER = saved
+
+
+_RESERVE_WARN_S = 60.0
+"""How often a placement group that Ray has not placed yet is logged as waiting."""
+
+
+def reserve_bundles(bundles: list[dict[str, float]], *, strategy: str, key: str) -> Any:
+    """A Ray placement group of ``bundles`` placed by ``strategy`` (the config ``key``
+    that asked for it), once Ray has placed it. Ray queues one that does not fit
+    without a message; every minute of waiting logs the key and the alive nodes'
+    CPUs (a cluster may still autoscale, as ``require_cpus`` assumes)."""
+    import ray
+    from ray.util.placement_group import placement_group
+
+    group = placement_group(bundles, strategy=strategy)
+    while not group.wait(timeout_seconds=_RESERVE_WARN_S):
+        nodes = [
+            f"{node['NodeID'][:8]}: {node['Resources'].get('CPU', 0.0):g} CPUs"
+            for node in ray.nodes()
+            if node["Alive"]
+        ]
+        logger.warning(
+            "%s=%s: waiting for Ray to place %d bundles of %s; alive nodes: %s",
+            key,
+            strategy,
+            len(bundles),
+            bundles[0] if bundles else {},
+            ", ".join(nodes),
+        )
+    return group
 
 
 def require_cpus(requests: Mapping[str, tuple[int, float]], *, local: bool) -> None:

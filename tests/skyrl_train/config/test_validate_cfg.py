@@ -565,3 +565,19 @@ def test_a_run_dir_holding_another_runs_metrics_is_refused_unless_resuming(
     write_file(folder / DRIVER_FILE, json.dumps({"step": 1, "world_size": 1}).encode())
     checkpoint = commit_save(folder, step=1)
     validate_cfg(load_config([f"trainer.run_dir={run_dir}", f"trainer.resume_from={checkpoint}"]))
+
+
+def test_ranks_strictly_spread_need_a_cluster() -> None:
+    # A local Ray has one node: Ray would wait forever for the second.
+    spread = [
+        "trainer.placement.num_trainers=2",
+        "trainer.placement.strategy=STRICT_SPREAD",
+        f"{POLICY}.expert_model_parallel_size=2",
+        "trainer.micro_train_batch_size_per_gpu=16",
+    ]
+    err = _refusal(spread)
+    assert err.path == "trainer.placement.strategy"
+    assert "got 'STRICT_SPREAD' with 2 ranks" in str(err)
+    validate_cfg(load_config([*spread, "ray.address=127.0.0.1:6379"]))
+    validate_cfg(load_config(["trainer.placement.strategy=STRICT_SPREAD"]))  # one rank
+    assert _refusal(["trainer.placement.strategy=spread"]).path == "trainer.placement.strategy"

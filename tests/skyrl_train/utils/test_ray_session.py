@@ -115,3 +115,33 @@ def test_a_local_ray_off_loopback_is_refused_and_shut_down(monkeypatch) -> None:
     with pytest.raises(RuntimeError, match="expected a local Ray on 127.0.0.1, got node"):
         start_ray(address=None, num_cpus=1, runtime_env={})
     assert running == []
+
+
+@pytest.mark.parametrize(
+    ("address", "on_loopback"),
+    [
+        ("127.0.0.1:6379", True),
+        ("localhost:6379", True),
+        ("[::1]:6379", True),
+        ("192.0.2.2:6379", False),
+        ("head.example:6379", False),
+        ("auto", False),
+    ],
+)
+def test_a_cluster_on_loopback_is_joined_on_loopback(
+    monkeypatch, address: str, on_loopback: bool
+) -> None:
+    # Ray's switch on (Linux's default) rewrites 127.0.0.1 to the outward address, where
+    # a loopback-only cluster does not listen (test_main_base_two_nodes.py joins one).
+    from ray._private import ray_constants
+
+    from skyrl_train.utils import ray_session
+
+    seen = []
+    monkeypatch.setattr(ray_constants, "ENABLE_RAY_CLUSTER", True)
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", lambda **kw: seen.append(ray_constants.ENABLE_RAY_CLUSTER))
+    monkeypatch.setattr(ray.util, "get_node_ip_address", lambda: "127.0.0.1")
+    session = ray_session.start_ray(address=address, num_cpus=None, runtime_env={})
+    assert session.started and seen == [not on_loopback]
+    assert ray_constants.ENABLE_RAY_CLUSTER  # restored
