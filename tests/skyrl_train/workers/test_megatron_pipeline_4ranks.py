@@ -1,10 +1,11 @@
-"""Four processes, gloo: PP=2 x EP=2 and PP=2 x TP=2 (sequence parallel) give the PP=1
+"""Four processes, gloo: PP=2 x EP=2, PP=2 x TP=2 (sequence parallel) and TP=2 x EP=2 x
+ETP=2 (experts split over EP and cut over TP, two data-parallel replicas) give the PP=1
 worker's numbers with every route replayed.
 
 One 4-rank launch (its start-up, ~40 s on the 2-core AMD EPYC, is most of its cost)
-runs both layouts in one process group and saves what each rank saw; the PP=1
+runs every layout in one process group and saves what each rank saw; the PP=1
 reference is the one ``test_megatron_pipeline.py`` computes, in this process. A launch
-still refuses both layouts as untested (docs/parallel-layouts.md): only the worker is
+still refuses these layouts as untested (docs/parallel-layouts.md): only the worker is
 tested here.
 """
 
@@ -37,6 +38,9 @@ WORLD = 4
 LAYOUTS = {
     "pp2xep2": {"pipeline_model_parallel_size": 2, "expert_model_parallel_size": 2},
     "pp2xtp2": {"pipeline_model_parallel_size": 2, "tensor_model_parallel_size": 2},
+    # Expert tensor size = TP = 2: the expert-data-parallel group is one rank while the
+    # dense one is two, so expert gradients are scaled by the dense size only.
+    "tp2xep2xetp2": {"tensor_model_parallel_size": 2, "expert_model_parallel_size": 2},
 }
 
 
@@ -87,7 +91,8 @@ def reference() -> dict[str, Any]:
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_four_rank_pipeline_layouts_equal_single_rank(reports, reference, layout: str) -> None:
     """Measured on the 2-core AMD EPYC: log-probs within 1.9e-6 (EP) and 3.8e-6 (TP),
-    loss 3e-8 and 6e-8 relative, grad norm 2e-8 and 1.9e-7 relative."""
+    loss 3e-8 and 6e-8 relative, grad norm 2e-8 and 1.9e-7 relative; TP x EP x ETP=2:
+    docs/parallel-layouts.md."""
     batch = _batch()
     real = ~batch.router_padding_mask
     forced = batch.routed_experts.sort(-1).values
@@ -99,3 +104,12 @@ def test_four_rank_pipeline_layouts_equal_single_rank(reports, reference, layout
         assert math.isclose(got["grad_norm"], reference["grad_norm"], rel_tol=TOL), where
         for key in ("forward_routes", "step_routes"):
             assert torch.equal(got[key][real], forced[real]), f"{where} {key}: replay missed"
+    worst = {
+        key: max(float((r[layout][key] - reference[key]).abs().max()) for r in reports)
+        for key in ("logprobs", "entropy")
+    }
+    print(
+        f"{layout}: logprobs {worst['logprobs']:.2e}, entropy {worst['entropy']:.2e}, loss "
+        f"{reports[0][layout]['loss']:.9g} / {reference['loss']:.9g}, grad norm "
+        f"{reports[0][layout]['grad_norm']:.9g} / {reference['grad_norm']:.9g}"
+    )
