@@ -14,6 +14,8 @@ Rank-file formats, told apart by ``RANK_FORMAT_KEY`` in the dict:
   reads. Refused with ``CheckpointError``; ``scripts/convert_checkpoint.py`` converts
   a checkpoint whose source the user vouches for, the one place that unpickles.
 - 2: plain data; the numpy and Python RNG states as a tensor and ints (``rng_state``).
+  Files written since resharding also list where each parameter sits (``placement``,
+  ``runs/reshard.py``) and resume under any layout; earlier ones under their own only.
 """
 
 from __future__ import annotations
