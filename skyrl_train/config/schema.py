@@ -407,7 +407,8 @@ class PlacementConfig:
     strategy: str | None = setting(None, choices=PLACEMENT_STRATEGIES)
     """null: Ray places each rank alone, by its CPUs. A Ray placement-group strategy:
     the ranks are reserved together in one placement group, a bundle of
-    ``cpus_per_trainer`` CPUs per rank (rank i in bundle i); ``STRICT_SPREAD`` puts
+    ``cpus_per_trainer`` CPUs per rank (the ranks of a node consecutive, the driver's
+    node first: ``policy_group.rank_bundles``); ``STRICT_SPREAD`` puts
     every rank on a node of its own (refused with more than one rank on a local Ray,
     which has one node), ``STRICT_PACK`` all on one node
     (docs/cluster-and-security.md)."""

@@ -18,6 +18,7 @@ import asyncio
 import dataclasses
 import json
 import shutil
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -66,25 +67,30 @@ class PolicyGroup:
     def place(cls, cfg: PPOConfig, *, checkpoint: str, pad_token_id: int) -> PolicyGroup:
         """One actor per trainer rank, ``cpus_per_trainer`` CPUs each (not built yet),
         each to load the model folder ``checkpoint``; with ``trainer.placement.strategy``
-        rank i in bundle i of one placement group reserved first."""
+        each in a bundle of one placement group reserved first (``rank_bundles``)."""
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         placement = cfg.trainer.placement
         group = None
+        bundles = list(range(placement.num_trainers))
         if placement.strategy is not None:
             group = reserve_bundles(
                 [{"CPU": placement.cpus_per_trainer}] * placement.num_trainers,
                 strategy=placement.strategy,
                 key="trainer.placement.strategy",
             )
+            bundles = rank_bundles(
+                ray.util.placement_group_table(group)["bundles_to_node_id"],
+                first_node=ray.get_runtime_context().get_node_id(),
+            )
         remote = ray.remote(PolicyTrainer)
         actors = []
-        for rank in range(placement.num_trainers):
+        for bundle in bundles:
             options: dict[str, Any] = {"num_cpus": placement.cpus_per_trainer}
             if group is not None:
                 options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
-                    group, placement_group_bundle_index=rank
+                    group, placement_group_bundle_index=bundle
                 )
             actors.append(
                 remote.options(**options).remote(
@@ -244,6 +250,18 @@ class PolicyGroup:
 
     async def load_checkpoint(self, folder: str) -> None:
         await _all(actor.load_checkpoint.remote(folder) for actor in self.actors)
+
+
+def rank_bundles(bundle_nodes: Mapping[int, str], *, first_node: str) -> list[int]:
+    """The placement-group bundle of each rank, given each bundle's node: the ranks of
+    one node consecutive, since Megatron builds tensor and expert groups from
+    consecutive ranks and those collectives then stay inside a node; ``first_node``
+    (the driver's) first, so that rank 0, which writes the Hugging Face export into the
+    driver's folder, runs beside it wherever Ray put a bundle there."""
+    order = {first_node: 0}
+    for index in sorted(bundle_nodes):
+        order.setdefault(bundle_nodes[index], len(order))
+    return sorted(bundle_nodes, key=lambda index: (order[bundle_nodes[index]], index))
 
 
 def run_config_record(cfg: PPOConfig) -> bytes:

@@ -1,9 +1,9 @@
 """A launch on a two-node Ray cluster on this machine (two raylets with their own
 CPUs, every Ray process on 127.0.0.1, started by scripts/loopback_ray_cluster.py as
 docs/cluster-and-security.md shows): the trainer ranks on different nodes
-(``trainer.placement.strategy=STRICT_SPREAD``), the engine on one of them, the
-experts gathered and the weights pushed across nodes, nothing listening beyond
-loopback, and the cluster's processes gone after it."""
+(``trainer.placement.strategy=STRICT_SPREAD``), rank 0 beside the driver and the
+engine on the other node, the experts gathered and the weights pushed across nodes,
+nothing listening beyond loopback, and the cluster's processes gone after it."""
 
 from __future__ import annotations
 
@@ -43,6 +43,8 @@ TWO_NODES = with_overrides(
     "trainer.placement.num_trainers=2",
     "trainer.placement.cpus_per_trainer=1",
     "trainer.placement.strategy=STRICT_SPREAD",
+    # Fits only on the second node (_start_cluster(1, 3)), whichever is placed first.
+    "generator.inference_engine.num_cpus_per_engine=2",
     # Experts sharded over the two nodes: every push gathers them across nodes first.
     "trainer.policy.megatron_config.expert_model_parallel_size=2",
     "trainer.micro_train_batch_size_per_gpu=2",
@@ -123,8 +125,9 @@ def _actor_nodes() -> dict[str, tuple[str, str]]:
 def test_a_launch_spreads_its_ranks_over_two_nodes_on_loopback(tmp_path: Path) -> None:
     # A Ray already initialised here would be used as it is (start_ray): one node.
     assert not ray.is_initialized()
-    # Room for the engine on either node, in whichever order the actors are placed.
-    proc, address, nodes = _start_cluster(2, 2)
+    # The head (where the driver attaches) has room for one rank; the other node for
+    # one rank and the engine.
+    proc, address, nodes = _start_cluster(1, 3)
     try:
         cfg = load_config([*TWO_NODES, f"ray.address={address}", f"trainer.run_dir={tmp_path}"])
         with _token_auth(), launch(cfg) as job:
@@ -138,10 +141,10 @@ def test_a_launch_spreads_its_ranks_over_two_nodes_on_loopback(tmp_path: Path) -
         left = _stop_cluster(proc)
     assert left == set(), f"cluster processes alive after the script stopped: {left}"
 
-    assert len(set(ranks)) == 2 and set(ranks) == set(nodes), (ranks, nodes)
-    # One rank beside the engine, one across: each push gathers that rank's experts
-    # over gloo between nodes. Which rank (rank 0 pushes) is Ray's choice.
-    assert engine in nodes and ranks.count(engine) == 1, (engine, ranks)
+    # Rank 0 beside the driver (policy_group.rank_bundles) and across from the engine:
+    # every push gathers rank 1's experts to rank 0 over gloo, then rank 0 sends them to
+    # the engine on the other node.
+    assert ranks == nodes and engine == nodes[1], (ranks, engine, nodes)
     # Precondition: the scan saw the ranks' gloo listeners (workers of the raylets).
     assert {pid for pid, _, _ in listening} & trainer_pids, (listening, trainer_pids)
     exposed = [s for s in listening if not ipaddress.ip_address(s[1]).is_loopback]
