@@ -27,8 +27,16 @@ LAYOUTS: dict[str, dict[str, Any]] = {
     "pp2xvpp2": {"pipeline_model_parallel_size": 2, "virtual_pipeline_model_parallel_size": 2},
     "ep2": {"expert_model_parallel_size": 2},
 }
-PAIRS = (("tp1", "tp2"), ("tp1", "pp2xvpp2"), ("tp1", "ep2"), ("tp2", "tp1"), ("pp2xvpp2", "tp1"))
-"""(saved under, resumed under): TP=1 to every other layout, and back to TP=1."""
+PAIRS = (
+    ("tp1", "tp2"),
+    ("tp1", "pp2xvpp2"),
+    ("tp1", "ep2"),
+    ("tp2", "tp1"),
+    ("pp2xvpp2", "tp1"),
+    ("ep2", "tp2"),
+)
+"""(saved under, resumed under): TP=1 to every other layout, back to TP=1, and each
+rank's half of the experts (EP=2) to both TP ranks' halves of every expert."""
 
 
 def _layout(name: str) -> dict[str, Any]:
