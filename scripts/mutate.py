@@ -87,6 +87,8 @@ ROUTES = "skyrl_train/dataset/routes.py"
 PREPROCESS = "skyrl_train/dataset/preprocess.py"
 REPLAY = "skyrl_train/workers/megatron/replay.py"
 VALIDATE = "skyrl_train/config/validate.py"
+MEGATRON_UNSUPPORTED = "skyrl_train/config/megatron_unsupported.py"
+MEGATRON_RULES = "skyrl_train/config/megatron_rules.py"
 RETRY = "inference/client/retry.py"
 
 MUTANTS: tuple[Mutant, ...] = (
@@ -323,7 +325,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "validate-vpp-one",
-        VALIDATE,
+        MEGATRON_UNSUPPORTED,
         'bool(vpp := s.get("virtual_pipeline_model_parallel_size"))',
         '(vpp := s.get("virtual_pipeline_model_parallel_size") or 0) > 1',
         (T_VALIDATE,),
@@ -331,7 +333,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "validate-sinkhorn-in-list",
-        VALIDATE,
+        MEGATRON_UNSUPPORTED,
         "return [balancing] if isinstance(balancing, str) else list(balancing or [])",
         "return [balancing]",
         (T_VALIDATE,),
@@ -339,7 +341,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "validate-r2-demands-routes",
-        VALIDATE,
+        MEGATRON_RULES,
         "if rollout and not cfg.generator.inference_engine.enable_return_routed_experts:",
         "if not cfg.generator.inference_engine.enable_return_routed_experts:",
         (T_VALIDATE,),

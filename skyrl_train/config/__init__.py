@@ -13,6 +13,7 @@ from skyrl_train.config.compose import (
     parse_config,
 )
 from skyrl_train.config.constraints import check_constraints, setting
+from skyrl_train.config.megatron_unsupported import refuse_replay_incompatible
 from skyrl_train.config.schema import (
     AlgorithmConfig,
     DataConfig,
@@ -33,7 +34,7 @@ from skyrl_train.config.schema import (
     TrainerConfig,
     WeightSyncConfig,
 )
-from skyrl_train.config.validate import refuse_replay_incompatible, validate_cfg
+from skyrl_train.config.validate import validate_cfg
 
 __all__ = [
     "CONFIG_DIR",

@@ -4,7 +4,8 @@ Registered with Hydra's ConfigStore (``config.compose``), so composition itself
 refuses an unknown key or a wrong type, naming the dotted key, ``--cfg job``
 included. Range and choice rules sit beside each field (``setting``, checked by
 ``constraints.check_constraints``); checks across fields (divisibility, R3
-compatibility) live in ``validate.py``. Defaults here equal the YAML's (a test pins
+compatibility) are run by ``validate.validate_cfg``, from the rule modules beside it
+(``validate.py``'s docstring lists them). Defaults here equal the YAML's (a test pins
 that), so a config built in Python and a launch that reads the YAML see the same run.
 
 The dataclasses are not frozen: OmegaConf makes a frozen dataclass's node read-only,
@@ -61,7 +62,7 @@ class ModelConfig:
 @dataclass
 class SamplingParamsConfig:
     """Per-request sampling; the value rules are the inference engine's own
-    (``inference.engine.base.check_*``, applied by ``validate.check_sampling_params``)."""
+    (``inference.engine.base.check_*``, applied by ``engine_rules.check_sampling_params``)."""
 
     temperature: float = 1.0
     """0.0 means greedy."""
@@ -226,7 +227,8 @@ class MegatronConfig:
     pipeline_model_parallel_size: int = setting(1, ge=1)
     virtual_pipeline_model_parallel_size: int | None = setting(None, ge=1)
     """Interleaved pipeline chunks per rank. With routing replay only the sizes tests
-    prove are accepted (``validate.PROVEN_VPP_WITH_REPLAY``: 2 at pipeline size 2)."""
+    prove are accepted (``megatron_unsupported.PROVEN_VPP_WITH_REPLAY``: 2 to 4 at
+    pipeline size 2)."""
     expert_model_parallel_size: int = setting(1, ge=1)
     expert_tensor_parallel_size: int | None = setting(None, ge=1)
     """None means equal to ``tensor_model_parallel_size`` (Megatron's default)."""

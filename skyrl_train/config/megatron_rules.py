@@ -1,0 +1,264 @@
+"""Launch rules for the Megatron trainer backend (``trainer.policy.megatron_config``):
+
+- the layout arithmetic: the world size against the tensor, pipeline, context and expert
+  sizes, and each size dividing what it splits (experts, heads, layers, vocabulary, MLP
+  widths);
+- the settings the worker cannot honour (``refuse_replay_incompatible``, whose table is
+  in ``megatron_unsupported.py``), checked after that arithmetic;
+- the tensor-parallel and pipeline layouts no launch test runs (``TESTED_*``,
+  docs/parallel-layouts.md);
+- ``transformer_config_kwargs`` keys the pipeline sets itself or megatron-core lacks;
+- replay from the rollout needs the engine to return routes;
+- ``data_parallel_size``, what the batch sizes in ``validate.py`` divide by.
+
+The split is by backend: these rules read ``MegatronConfig``, so a second trainer backend
+(FSDP) gets its own rules file beside this one, while ``validate.py`` (the launch rules
+and their order) and ``engine_rules.py`` hold whichever backend trains.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Mapping
+from typing import Any
+
+from inference.models.architecture import MoEArchitecture
+from skyrl_train.config.megatron_unsupported import (
+    MEGATRON_CONFIG_OWNED,
+    refuse_replay_incompatible,
+)
+from skyrl_train.config.schema import MegatronConfig, PPOConfig
+from skyrl_train.errors import ConfigValidationError
+
+# TransformerConfig fields the checkpoint's architecture sets: set in
+# transformer_config_kwargs they would break the engine/trainer agreement on the
+# architecture (the wire routes assume it).
+_MODEL_OWNED = {
+    "num_layers": "num_layers",
+    "hidden_size": "hidden_size",
+    "num_attention_heads": "num_attention_heads",
+    "num_query_groups": "num_kv_heads",
+    "kv_channels": "head_dim",
+    "num_moe_experts": "num_experts",
+    "moe_router_topk": "num_experts_per_tok",
+    "moe_ffn_hidden_size": "moe_intermediate_size",
+    "layernorm_epsilon": "rms_norm_eps",
+}
+
+
+TESTED_TENSOR_PARALLEL = 2
+"""The one TP size launch tests run (tests/skyrl_train/entrypoints/
+test_main_base_tensor_parallel.py), on exactly that many ranks: TP=2 alone (ETP = TP)
+and TP=2 x EP=2 with ETP=1, megatron-core's MoE parallel folding."""
+
+
+TESTED_EXPERT_TENSOR_SIZES = {1: TESTED_TENSOR_PARALLEL, 2: 1}
+"""Expert size -> the expert tensor size tested with it at TP=2."""
+
+
+def check_routing_replay(cfg: PPOConfig) -> None:
+    """Replay from the rollout (R3) needs the engine to return the rollout's routes."""
+    # The reference policy swaps its weights into the policy's model (trainer.ref), so
+    # the policy's settings are the only ones to check.
+    prefix, mc = "trainer.policy.megatron_config", cfg.trainer.policy.megatron_config
+    if not mc.moe_enable_routing_replay:
+        return
+    rollout = mc.routing_replay_source == "rollout"
+    if rollout and not cfg.generator.inference_engine.enable_return_routed_experts:
+        raise ConfigValidationError(
+            f"{prefix}.moe_enable_routing_replay",
+            "replay from the rollout needs the rollout's routes, but "
+            "generator.inference_engine.enable_return_routed_experts is false "
+            f"({prefix}.routing_replay_source=old_policy replays the trainer's own)",
+        )
+    # The Megatron settings replay cannot honour are refused in check_megatron, after
+    # the layout arithmetic, so a layout that does not fit is named as such first.
+
+
+def check_megatron(cfg: PPOConfig, arch: MoEArchitecture, mc: MegatronConfig, prefix: str) -> None:
+    """The layout against the world size and ``arch``, then the settings the worker
+    cannot honour, the untested layouts and ``transformer_config_kwargs``; ``mc`` is the
+    node at ``prefix``."""
+    tp, pp, cp, ep = (
+        mc.tensor_model_parallel_size,
+        mc.pipeline_model_parallel_size,
+        mc.context_parallel_size,
+        mc.expert_model_parallel_size,
+    )
+    etp = mc.expert_tensor_parallel_size or tp
+    world = cfg.trainer.placement.num_trainers
+    if world % (tp * pp * cp):
+        raise ConfigValidationError(
+            "trainer.placement.num_trainers",
+            expected=f"a multiple of {prefix} tensor x pipeline x context parallel sizes "
+            f"({tp}x{pp}x{cp} = {tp * pp * cp})",
+            got=str(world),
+        )
+    if world % (etp * ep * pp):
+        raise ConfigValidationError(
+            f"{prefix}.expert_model_parallel_size",
+            expected=f"expert_tensor x expert x pipeline parallel sizes ({etp}x{ep}x{pp}) to "
+            f"divide trainer.placement.num_trainers ({world})",
+            got=f"expert size {ep}",
+        )
+    _divides(ep, arch.num_experts, f"{prefix}.expert_model_parallel_size", "the expert count")
+    _divides(
+        tp,
+        arch.num_attention_heads,
+        f"{prefix}.tensor_model_parallel_size",
+        "the attention head count",
+    )
+    _divides(tp, arch.num_kv_heads, f"{prefix}.tensor_model_parallel_size", "the KV head count")
+    _divides(pp, arch.num_layers, f"{prefix}.pipeline_model_parallel_size", "the layer count")
+    vpp = mc.virtual_pipeline_model_parallel_size
+    if vpp is not None:
+        key = f"{prefix}.virtual_pipeline_model_parallel_size"
+        if pp < 2:
+            raise ConfigValidationError(
+                key,
+                expected=f"null unless pipeline_model_parallel_size >= 2 (it is {pp})",
+                got=str(vpp),
+            )
+        _divides(pp * vpp, arch.num_layers, key, "the layer count")
+    # Before the passthrough's own checks: a VPP set there is refused as unproven
+    # with replay, naming the passthrough key.
+    refuse_replay_incompatible(mc, key_prefix=prefix)
+    # After it: an expert tensor size megatron-core cannot honour is named with its
+    # reason there, not as merely untested here.
+    if tp > 1:
+        _check_tensor_parallel(arch, mc, prefix, tp=tp, etp=etp)
+        _refuse_untested_tensor_parallel(mc, prefix, tp=tp, etp=etp, world=world)
+    if pp > 1:
+        _refuse_untested_pipeline(mc, prefix, pp=pp, ep=ep, world=world)
+    _check_transformer_kwargs(mc.transformer_config_kwargs, f"{prefix}.transformer_config_kwargs")
+
+
+def data_parallel_size(mc: MegatronConfig, *, world: int) -> int:
+    """Data-parallel ranks of a Megatron layout on ``world`` ranks: what tensor,
+    pipeline and context parallelism leave (each group of tp x pp x cp ranks holds one
+    copy of the model)."""
+    return world // (
+        mc.tensor_model_parallel_size * mc.pipeline_model_parallel_size * mc.context_parallel_size
+    )
+
+
+def _check_transformer_kwargs(kwargs: Mapping[str, Any], prefix: str) -> None:
+    owner = prefix.rsplit(".", 1)[0]
+    for name in kwargs:
+        if name in MEGATRON_CONFIG_OWNED:
+            raise ConfigValidationError(
+                f"{prefix}.{name}",
+                f"set it as {owner}.{name}, not inside transformer_config_kwargs",
+            )
+        if name in _MODEL_OWNED:
+            raise ConfigValidationError(
+                f"{prefix}.{name}",
+                f"the architecture comes from the checkpoint (model.path's config.json, or "
+                f"model.builtin.{_MODEL_OWNED[name]} for the built-in model) so the inference "
+                f"engine and the trainer agree; remove it here",
+            )
+        fields = _transformer_config_fields()  # imported only when kwargs are given
+        if fields is not None and name not in fields:
+            raise ConfigValidationError(
+                f"{prefix}.{name}",
+                expected="a megatron-core TransformerConfig field",
+                got=repr(name),
+            )
+
+
+@functools.cache
+def _transformer_config_fields() -> frozenset[str] | None:
+    try:  # megatron-core takes seconds to import; only this check needs it here
+        from megatron.core.transformer import TransformerConfig
+    except ImportError:  # pragma: no cover - megatron-core is a hard dependency
+        return None
+    return frozenset(f.name for f in dataclasses.fields(TransformerConfig))
+
+
+def _check_tensor_parallel(
+    arch: MoEArchitecture, mc: MegatronConfig, prefix: str, *, tp: int, etp: int
+) -> None:
+    """What the worker would refuse at TP > 1 only after Ray started: shards of the
+    vocabulary and the MLPs must be whole, a q/k norm over the whole projection needs
+    every head, and megatron-core's MoE layer trains TP only with sequence parallelism."""
+    key = f"{prefix}.tensor_model_parallel_size"
+    _divides(tp, arch.vocab_size, key, "the vocabulary size")
+    if arch.dense_layers:
+        _divides(tp, arch.dense_ffn_hidden_size, key, "the dense MLP width")
+    if arch.shared_expert_ffn_hidden_size:
+        _divides(tp, arch.shared_expert_ffn_hidden_size, key, "the shared expert width")
+    etp_key = f"{prefix}.expert_tensor_parallel_size"
+    _divides(etp, arch.moe_ffn_hidden_size, etp_key, "the expert MLP width")
+    if arch.qk_norm == "full":
+        raise ConfigValidationError(
+            key,
+            expected=f"1 for a {arch.family} model (q/k RMSNorm over the whole projection)",
+            got=str(tp),
+        )
+    if mc.transformer_config_kwargs.get("sequence_parallel") is False:
+        raise ConfigValidationError(
+            f"{prefix}.transformer_config_kwargs.sequence_parallel",
+            expected="true with tensor_model_parallel_size > 1 (megatron-core 0.16's MoE "
+            "layer refuses to train tensor-parallel without it)",
+            got="false",
+        )
+
+
+def _refuse_untested_tensor_parallel(
+    mc: MegatronConfig, prefix: str, *, tp: int, etp: int, world: int
+) -> None:
+    """Refuse at launch the tensor-parallel layouts no test has run yet
+    (docs/parallel-layouts.md), naming the key that leaves the tested ones."""
+    ep = mc.expert_model_parallel_size
+    why = (
+        f"only tensor_model_parallel_size={TESTED_TENSOR_PARALLEL} on {TESTED_TENSOR_PARALLEL} "
+        "ranks, alone or x expert_model_parallel_size=2 with expert_tensor_parallel_size=1, "
+        "is tested"
+    )
+    want_etp = TESTED_EXPERT_TENSOR_SIZES.get(ep)
+    tested_tp = TESTED_TENSOR_PARALLEL
+    # (key, the values tested, how the message says them, the value found)
+    found: list[tuple[str, set[int], str, int]] = [
+        (f"{prefix}.tensor_model_parallel_size", {tested_tp}, str(tested_tp), tp),
+        (f"{prefix}.pipeline_model_parallel_size", {1}, "1", mc.pipeline_model_parallel_size),
+        (f"{prefix}.expert_model_parallel_size", set(TESTED_EXPERT_TENSOR_SIZES), "1 or 2", ep),
+        (
+            f"{prefix}.expert_tensor_parallel_size",
+            {want_etp} if want_etp else set(),
+            f"{want_etp} at expert_model_parallel_size {ep}",
+            etp,
+        ),
+        ("trainer.placement.num_trainers", {tp}, str(tp), world),
+    ]
+    for key, tested, expected, got in found:
+        if got not in tested:
+            raise ConfigValidationError(
+                key, expected=f"{expected} with tensor parallelism ({why})", got=str(got)
+            )
+
+
+def _refuse_untested_pipeline(
+    mc: MegatronConfig, prefix: str, *, pp: int, ep: int, world: int
+) -> None:
+    """Refuse at launch the pipeline layouts no launch test has run: those run PP=2 on 2
+    ranks; PP=2 x EP=2 is tested only in the worker (docs/parallel-layouts.md), and
+    PP > 2 and PP with data-parallel ranks not at all."""
+    why = "untested: launch tests run a pipeline only at PP=2 on exactly 2 ranks"
+    found = [
+        (f"{prefix}.pipeline_model_parallel_size", "2", pp),
+        (f"{prefix}.expert_model_parallel_size", "1", ep),
+        ("trainer.placement.num_trainers", str(pp), world),
+    ]
+    for key, expected, got in found:
+        if str(got) != expected:
+            raise ConfigValidationError(
+                key, expected=f"{expected} with pipeline parallelism ({why})", got=str(got)
+            )
+
+
+def _divides(divisor: int, total: int, key: str, total_key: str) -> None:
+    if total % divisor:
+        raise ConfigValidationError(
+            key, expected=f"a divisor of {total_key} ({total})", got=str(divisor)
+        )
