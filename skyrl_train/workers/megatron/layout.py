@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from inference.wire import route_filler
+from skyrl_train.algorithms.sampler_replay import SamplerReplay, pick_targets, sampler_logits
 from skyrl_train.algorithms.signals import token_entropy
 from skyrl_train.dataset.batch import TrainingBatch
 
@@ -155,11 +156,14 @@ def response_logprobs(
     response_mask: torch.Tensor,
     *,
     sampler: SamplerReplay | None = None,
+    shard: VocabShard | None = None,
 ) -> torch.Tensor:
     """[B, R] fp32 logprob of each response token (0 where ``response_mask`` is 0),
     under ``sampler``'s distribution (None: the raw logits'). ``logits`` may be this
-    rank's vocabulary shard (``VocabShard``): the result is then the whole vocabulary's."""
-    log_probs, targets, shard = _response_log_softmax(logits, layout, response_mask, sampler)
+    rank's vocabulary shard (``VocabShard``): the result is then the whole vocabulary's.
+    ``shard``: the part of the vocabulary ``logits`` cover (None: this rank's tensor
+    parallel shard, ``VocabShard.of``)."""
+    log_probs, targets, shard = _response_log_softmax(logits, layout, response_mask, sampler, shard)
     logprobs = shard.pick(log_probs, targets)
     return logprobs * response_mask.to(logprobs.device, logprobs.dtype)
 
@@ -170,11 +174,12 @@ def response_logprobs_and_entropy(
     response_mask: torch.Tensor,
     *,
     sampler: SamplerReplay | None = None,
+    shard: VocabShard | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``response_logprobs`` and, from the same log-softmax, the [B, R] fp32 entropy of
     the next-token distribution at each response position (0 where masked): the full
     vocabulary's, or the sampler's kept set's under ``sampler``."""
-    log_probs, targets, shard = _response_log_softmax(logits, layout, response_mask, sampler)
+    log_probs, targets, shard = _response_log_softmax(logits, layout, response_mask, sampler, shard)
     mask = response_mask.to(log_probs.device, log_probs.dtype)
     logprobs = shard.pick(log_probs, targets) * mask
     return logprobs, shard.sum(token_entropy(log_probs)) * mask
@@ -187,7 +192,14 @@ class VocabShard:
     parallelism each rank's logits are one contiguous shard of the vocabulary; the
     log-softmax then runs across shards as megatron-core's vocab-parallel
     cross-entropy does (max and sum-exp all-reduced over the TP group), and nothing
-    gathers the whole vocabulary's logits."""
+    gathers the whole vocabulary's logits.
+
+    The boundary with ``algorithms/sampler_replay.py``: the sampler's temperature and
+    kept set (``sampler_logits`` with ``vocab_start=start``) and the entropy formula
+    (``token_entropy``, its per-shard sums added up by ``sum``) are the backend-neutral
+    ones; what is here is only what a split vocabulary adds, the all-reduced
+    normaliser with its backward and the pick of a target from its owner shard. With
+    one shard (``whole``) every step is the algorithms' own."""
 
     start: int
     size: int
@@ -237,25 +249,11 @@ class VocabShard:
         """``log_probs[..., targets]`` with global target ids, from whichever shard holds
         each (its owner contributes it, the others 0)."""
         if self.whole:
-            return log_probs.gather(-1, targets[..., None]).squeeze(-1)
+            return pick_targets(log_probs, targets)
         local = targets - self.start
         mine = (local >= 0) & (local < self.size)
         got = log_probs.gather(-1, local.clamp(0, self.size - 1)[..., None]).squeeze(-1)
         return self.sum(torch.where(mine, got, torch.zeros_like(got)))
-
-
-@dataclass(frozen=True)
-class SamplerReplay:
-    """The rollout sampler's distribution, replayed on the trainer's logits: softmax of
-    ``logits / temperature`` over each position's kept set (``support``), renormalised.
-    This is the engine's behaviour policy (``inference/engine/sampling.py``), with the
-    kept set taken from the rollout rather than recomputed, as routes are."""
-
-    temperature: float = 1.0
-    support: torch.Tensor | None = None
-    """[B, R, k] token ids the rollout's sampler kept at each response position, -1 past
-    the set; a row with no id (prompt padding, observation tokens) keeps every token.
-    None: no top-k or top-p cut, the whole vocabulary."""
 
 
 class _VocabParallelLogSoftmax(torch.autograd.Function):
@@ -292,13 +290,16 @@ def _response_log_softmax(
     layout: ContiguousBatch,
     response_mask: torch.Tensor,
     sampler: SamplerReplay | None,
+    shard: VocabShard | None,
 ) -> tuple[torch.Tensor, torch.Tensor, VocabShard]:
     """[B, R, V_local] fp32 log-softmax (this rank's vocabulary shard of it) of the
-    logits that predict each response token, the [B, R] global target ids, and the
-    shard."""
+    logits that predict each response token, under ``sampler``
+    (``algorithms.sampler_replay.sampler_logits`` on this shard's ids), the [B, R]
+    global target ids, and the shard."""
     num_actions = response_mask.shape[1]
     seq = layout.tokens.shape[1]
-    shard = VocabShard.of(logits.shape[-1])
+    if shard is None:
+        shard = VocabShard.of(logits.shape[-1])
     target_pos = (layout.prompt_lens[:, None] + torch.arange(num_actions)[None, :]).clamp(
         max=seq - 1
     )
@@ -307,25 +308,8 @@ def _response_log_softmax(
         1, source_pos[:, :, None].expand(-1, -1, logits.shape[-1]).to(logits.device)
     ).float()
     targets = layout.tokens.gather(1, target_pos).to(logits.device)
-    if sampler is not None:
-        if sampler.temperature != 1.0:
-            picked = picked / sampler.temperature
-        if sampler.support is not None:
-            kept = _kept(sampler.support.to(picked.device), shard)
-            picked = picked.masked_fill(~kept, float("-inf"))
-    return shard.log_softmax(picked), targets, shard
-
-
-def _kept(support: torch.Tensor, shard: VocabShard) -> torch.Tensor:
-    """[B, R, V_local] bool over this shard's ids: the listed ids of each row (global
-    ids; another shard's are dropped here and kept there), or every id where none is
-    listed."""
-    ids = support.to(torch.int64)
-    listed = ids >= 0
-    local = ids - shard.start
-    # -1 entries and other shards' ids land in an extra column that is dropped, so they
-    # cannot clear a real id.
-    index = torch.where(listed & (local >= 0) & (local < shard.size), local, shard.size)
-    kept = torch.zeros(*ids.shape[:2], shard.size + 1, dtype=torch.bool, device=ids.device)
-    kept.scatter_(2, index, True)
-    return kept[..., : shard.size] | ~listed.any(dim=-1, keepdim=True)
+    return (
+        shard.log_softmax(sampler_logits(picked, sampler, vocab_start=shard.start)),
+        targets,
+        shard,
+    )

@@ -1,0 +1,133 @@
+"""The Megatron worker's response scoring (``layout.response_logprobs_and_entropy``) is
+the backend-neutral one (``algorithms/sampler_replay``): bit for bit on a whole
+vocabulary, and, split over two vocabulary shards (``layout.VocabShard``: tensor
+parallelism's column-parallel output layer), equal to it in log-probs, entropy and
+the logits' gradient through its hand-written backward. The two shards run in one
+process, each on its own thread with its own gloo group over one in-memory store."""
+
+from __future__ import annotations
+
+import threading
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+from skyrl_train.algorithms import SamplerReplay, sampler_log_probs_and_entropy
+from skyrl_train.dataset.batch import TrainingBatch
+from skyrl_train.workers.megatron.layout import (
+    ContiguousBatch,
+    VocabShard,
+    make_contiguous,
+    response_logprobs,
+    response_logprobs_and_entropy,
+)
+from skyrl_train.workers.megatron.model import init_distributed
+
+V = 12
+HALF = V // 2
+
+
+def _batch() -> TrainingBatch:
+    # Row 0: prompt of 2 (left-padded by 1), response of 3; row 1: prompt 3, response 2.
+    sequences = torch.tensor([[0, 5, 6, 1, 2, 8], [7, 8, 9, 4, 10, 0]])
+    attention = torch.tensor([[0, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 0]])
+    response = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    # Kept sets across both shards ([0, 6) and [6, 12)), each holding its sampled token;
+    # the last row lists none (padding): the whole vocabulary.
+    support = torch.tensor(
+        [
+            [[1, 4, 7, -1], [2, 0, 11, -1], [8, 9, 10, 5]],
+            [[4, 2, -1, -1], [10, -1, -1, -1], [-1, -1, -1, -1]],
+        ]
+    )
+    return TrainingBatch(
+        sequences=sequences,
+        attention_mask=attention,
+        response_mask=response,
+        loss_mask=response.clone(),
+        rewards=torch.zeros(2),
+        token_rewards=torch.zeros(2, 3),
+        sample_support=support,
+    )
+
+
+def _rows(logits: torch.Tensor, layout: ContiguousBatch, num_actions: int) -> tuple[Any, Any]:
+    """The logits that predict each response token, ``[B, R, V]``, and those tokens."""
+    target = (layout.prompt_lens[:, None] + torch.arange(num_actions)[None, :]).clamp(
+        max=layout.tokens.shape[1] - 1
+    )
+    picked = logits.gather(1, (target - 1)[:, :, None].expand(-1, -1, logits.shape[-1]))
+    return picked, layout.tokens.gather(1, target)
+
+
+def test_one_shard_is_the_algorithms_scoring_bit_for_bit() -> None:
+    batch = _batch()
+    layout = make_contiguous(batch)
+    logits = torch.randn(2, 6, V, generator=torch.Generator().manual_seed(0)) * 3
+    sampler = SamplerReplay(temperature=0.7, support=batch.sample_support)
+    whole = VocabShard(start=0, size=V, vocab=V)
+    lp, ent = response_logprobs_and_entropy(
+        logits, layout, batch.response_mask, sampler=sampler, shard=whole
+    )
+    picked, targets = _rows(logits, layout, batch.num_actions)
+    want_lp, want_ent = sampler_log_probs_and_entropy(picked, targets, sampler=sampler)
+    mask = batch.response_mask.float()
+    assert torch.equal(lp, want_lp * mask) and torch.equal(ent, want_ent * mask)
+    alone = response_logprobs(logits, layout, batch.response_mask, sampler=sampler, shard=whole)
+    assert torch.equal(alone, lp)
+
+
+def _run_shard(
+    rank: int, store: Any, logits: torch.Tensor, weights: torch.Tensor, out: dict[int, Any]
+) -> None:
+    try:
+        group = torch.distributed.ProcessGroupGloo(store, rank, 2, timedelta(seconds=60))
+        batch = _batch()
+        mine = logits[..., rank * HALF : (rank + 1) * HALF].detach().clone().requires_grad_(True)
+        shard = VocabShard(start=rank * HALF, size=HALF, vocab=V, group=group)
+        sampler = SamplerReplay(temperature=0.7, support=batch.sample_support)
+        lp, ent = response_logprobs_and_entropy(
+            mine, make_contiguous(batch), batch.response_mask, sampler=sampler, shard=shard
+        )
+        # Both ranks' losses are the same function of the all-reduced values.
+        (lp * weights).sum().add((ent * weights.flip(0)).sum()).backward()
+        out[rank] = (lp.detach(), ent.detach(), mine.grad)
+    except BaseException as error:  # surfaced by the main thread's assertion
+        out[rank] = error
+
+
+def test_two_vocabulary_shards_equal_the_whole_vocabulary() -> None:
+    if not torch.distributed.is_initialized():
+        # megatron-core's reduce reads the default group's state before using ours.
+        init_distributed(rank=0, world_size=1, init_method="env://")
+    batch = _batch()
+    logits = torch.randn(2, 6, V, generator=torch.Generator().manual_seed(1)) * 3
+    weights = torch.randn(2, 3, generator=torch.Generator().manual_seed(2))
+    store = torch.distributed.HashStore()
+    out: dict[int, Any] = {}
+    threads = [
+        threading.Thread(target=_run_shard, args=(r, store, logits, weights, out)) for r in range(2)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert all(isinstance(out.get(r), tuple) for r in range(2)), out
+
+    full = logits.clone().requires_grad_(True)
+    layout = make_contiguous(batch)
+    picked, targets = _rows(full, layout, batch.num_actions)
+    sampler = SamplerReplay(temperature=0.7, support=batch.sample_support)
+    lp, ent = sampler_log_probs_and_entropy(picked, targets, sampler=sampler)
+    mask = batch.response_mask.float()
+    lp, ent = lp * mask, ent * mask
+    (lp * weights).sum().add((ent * weights.flip(0)).sum()).backward()
+    assert full.grad is not None
+    for rank in range(2):
+        got_lp, got_ent, got_grad = out[rank]
+        assert torch.allclose(got_lp, lp.detach(), atol=1e-6)
+        assert torch.allclose(got_ent, ent.detach(), atol=1e-6)
+        assert torch.allclose(got_grad, full.grad[..., rank * HALF : (rank + 1) * HALF], atol=1e-6)
+    # The kept sets reach both shards: each one's gradient is non-zero somewhere.
+    assert all(out[r][2].abs().sum() > 0 for r in range(2))
