@@ -2,8 +2,9 @@
 
 Every forward and every train step runs through Megatron's own schedules
 (``get_forward_backward_func``: no pipelining, 1F1B, or interleaved with virtual
-stages), on CPU too (``cpu_compat``). The optimizer is ``torch.optim.AdamW``: Megatron's
-optimizer wrapper hard-codes CUDA. Data-parallel gradients are averaged by hand over
+stages), on CPU too (``cpu_compat``). The optimizer and its schedule are the backends'
+shared ones (``algorithms/optim.py``: plain AdamW, as Megatron's optimizer wrapper
+hard-codes CUDA). Data-parallel gradients are averaged by hand over
 Megatron's groups, the way its DDP scales them (dense and expert grads both by
 1/dp_size).
 
@@ -21,7 +22,6 @@ driver, weight conversion and batch layout are their own modules.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from inference.models.architecture import MoEArchitecture
+from skyrl_train.algorithms import optim
 from skyrl_train.algorithms.mismatch import RouterAgreement, router_agreement
 from skyrl_train.config.constraints import check_constraints
 from skyrl_train.config.schema import MegatronConfig, OptimizerConfig
@@ -66,10 +67,6 @@ LossFn = Callable[[torch.Tensor, TrainingBatch], torch.Tensor]
 """``loss_fn(logprobs [b, R], microbatch) -> scalar``."""
 EntropyLossFn = Callable[[torch.Tensor, TrainingBatch, torch.Tensor], torch.Tensor]
 """``loss_fn(logprobs [b, R], microbatch, entropy [b, R]) -> scalar`` (``entropy=True``)."""
-
-
-ADAM_EPS = 1e-8
-"""AdamW's epsilon (torch's and megatron-core's default); no config key sets it."""
 
 
 @dataclass
@@ -158,15 +155,7 @@ class MegatronPolicyWorker:
                 expected=f"MoE layers {list(self.architecture.moe_layers)} (the checkpoint's)",
                 got=str(list(self.routers.moe_layers)),
             )
-        opt = self.optimizer_config
-        beta1, beta2 = opt.adam_betas
-        self.optimizer = torch.optim.AdamW(
-            self.model.parameters(),
-            lr=opt.lr,
-            weight_decay=opt.weight_decay,
-            betas=(beta1, beta2),
-            eps=ADAM_EPS,
-        )
+        self.optimizer = optim.build_optimizer(self.model.parameters(), self.optimizer_config)
         return self
 
     # ---- weights ----------------------------------------------------------------
@@ -321,14 +310,9 @@ class MegatronPolicyWorker:
         grad_norm = clip_grad_norm(
             params, max_norm=self.optimizer_config.max_grad_norm, pipeline=self._pipeline
         )
-        # A NaN norm passes the clip (NaN > limit is False) and AdamW would write NaN
-        # into every parameter it touches; skipped, the weights stay as they were and
-        # the trainer stops the run on the reported norm (trainer/finite.py).
-        lr = self._warmed_up_lr(optimizer)
-        if math.isfinite(grad_norm):
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-            optimizer.step()
+        lr = optim.scheduled_lr(self.optimizer_config, optimizer)
+        # Skipped on a NaN/inf norm: the trainer stops the run on it (trainer/finite.py).
+        optim.optimizer_step(optimizer, lr=lr, grad_norm=grad_norm)
         return TrainStepResult(
             loss=float(self._pipeline.from_last_stage(losses).mean()),
             grad_norm=grad_norm,
@@ -376,16 +360,7 @@ class MegatronPolicyWorker:
         """The learning rate the next optimizer step uses (warm-up included): what a
         step that skipped every update reports as ``train/lr``."""
         assert self.optimizer is not None
-        return self._warmed_up_lr(self.optimizer)
-
-    def _warmed_up_lr(self, optimizer: torch.optim.Optimizer) -> float:
-        opt = self.optimizer_config
-        if opt.num_warmup_steps <= 0:
-            return opt.lr
-        # AdamW's own step count: a resumed run loads it with the optimizer state, so
-        # warmup continues where it stopped instead of starting over.
-        done = max((int(s["step"]) for s in optimizer.state.values() if "step" in s), default=0)
-        return opt.lr * min(1.0, (done + 1) / opt.num_warmup_steps)
+        return optim.scheduled_lr(self.optimizer_config, self.optimizer)
 
     def _require_model(self) -> Any:
         if self.model is None:

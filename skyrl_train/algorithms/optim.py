@@ -1,0 +1,71 @@
+"""The policy's optimizer and learning-rate schedule, for every trainer backend.
+
+``torch.optim.AdamW`` built from ``trainer.policy.optimizer_config``, its rate warmed
+up linearly over ``num_warmup_steps`` optimizer steps (docs/configuration.md, "Warmup,
+trackers, stopping"), and the step itself, skipped on a non-finite gradient norm. A
+backend reduces and clips its gradients its own way (Megatron's parallel groups:
+``workers/megatron/gradients.py``) and then calls ``optimizer_step``.
+
+Plain torch AdamW rather than Megatron's optimizer wrapper, which hard-codes CUDA; the
+same optimizer on every backend keeps their steps comparable update for update.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from skyrl_train.config.schema import OptimizerConfig
+
+ADAM_EPS = 1e-8
+"""AdamW's epsilon (torch's and megatron-core's default); no config key sets it."""
+
+
+def build_optimizer(
+    params: Iterable[torch.nn.Parameter], config: OptimizerConfig
+) -> torch.optim.AdamW:
+    """AdamW over ``params`` with ``config``'s peak rate, betas and weight decay; the
+    rate each step uses is set by ``optimizer_step``."""
+    beta1, beta2 = config.adam_betas
+    return torch.optim.AdamW(
+        params,
+        lr=config.lr,
+        weight_decay=config.weight_decay,
+        betas=(beta1, beta2),
+        eps=ADAM_EPS,
+    )
+
+
+def steps_taken(optimizer: torch.optim.Optimizer) -> int:
+    """Optimizer steps taken so far, read from AdamW's own per-parameter ``step``
+    count: a resumed run loads it with the optimizer state, so the schedule continues
+    where it stopped instead of starting over. 0 before the first step."""
+    return max((int(s["step"]) for s in optimizer.state.values() if "step" in s), default=0)
+
+
+def scheduled_lr(config: OptimizerConfig, optimizer: torch.optim.Optimizer) -> float:
+    """The learning rate ``optimizer``'s next step uses: ``lr`` after the warm-up,
+    ``lr * (n + 1) / num_warmup_steps`` for the step after the n-th before it."""
+    if config.num_warmup_steps <= 0:
+        return config.lr
+    return config.lr * min(1.0, (steps_taken(optimizer) + 1) / config.num_warmup_steps)
+
+
+def optimizer_step(optimizer: torch.optim.Optimizer, *, lr: float, grad_norm: float) -> bool:
+    """One step at ``lr`` over the gradients already reduced and clipped; whether it
+    was taken.
+
+    A NaN norm passes a clip (NaN > limit is False) and AdamW would write NaN into
+    every parameter it touches; skipped, the weights stay as they were and the trainer
+    stops the run on the reported norm (``trainer/finite.py``).
+    """
+    if not math.isfinite(grad_norm):
+        return False
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    optimizer.step()
+    return True
