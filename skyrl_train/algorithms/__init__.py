@@ -1,5 +1,7 @@
-"""Advantage estimators, policy losses, off-policy corrections, learning signals and R3
-health metrics: pure torch functions, no trainer state."""
+"""Advantage estimators, policy losses, off-policy corrections, learning signals, R3
+health metrics, sampler-replay scoring, the loss's token-mean rule and the optimizer
+with its schedule (``optim``): pure torch functions, no trainer state, shared by every
+trainer backend."""
 
 from skyrl_train.algorithms.advantages import (
     ADVANTAGE_ESTIMATORS,
@@ -48,6 +50,12 @@ from skyrl_train.algorithms.signals import (
     token_entropy,
     zero_variance_group_fraction,
 )
+from skyrl_train.algorithms.token_mean import (
+    data_parallel_mean_,
+    microbatch_denominator,
+    microbatch_loss_weight,
+    num_microbatches,
+)
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
@@ -70,11 +78,15 @@ __all__ = [
     "compute_reinforce_plus_plus_advantages",
     "compute_rloo_advantages",
     "contiguous_groups",
+    "data_parallel_mean_",
     "gspo_policy_loss",
     "kept_set",
     "kl_penalty",
     "logprob_mismatch",
     "mean_token_entropy",
+    "microbatch_denominator",
+    "microbatch_loss_weight",
+    "num_microbatches",
     "off_policy_weights",
     "ppo_policy_loss",
     "router_agreement",

@@ -37,6 +37,7 @@ from skyrl_train.algorithms import (
     ppo_policy_loss,
     token_mean_entropy,
 )
+from skyrl_train.algorithms.token_mean import microbatch_denominator
 from skyrl_train.config.schema import PPOConfig, trainer_temperature
 from skyrl_train.dataset.batch import TrainingBatch, slice_batch, training_loss_mask
 from skyrl_train.runs.export import WeightFiles, write_weights
@@ -291,7 +292,6 @@ class PolicyTrainer:
         for epoch in range(t.update_epochs_per_batch):
             for k, start in enumerate(range(0, batch.batch_size, mini)):
                 part = slice_batch(batch, start, min(start + mini, batch.batch_size))
-                num_micro = -(-part.batch_size // micro)
                 global_tokens = (
                     float(training_loss_mask(part).sum())
                     if mini_batch_tokens is None
@@ -304,11 +304,11 @@ class PolicyTrainer:
                     # global count and skips.
                     skipped += 1
                     continue
-                # Each microbatch divides by the global mini-batch's token count over
-                # the microbatch count the worker averages by and the dp ranks whose
-                # gradients it averages, so the step is a true token mean however the
-                # mini-batch is split across microbatches and ranks.
-                tokens = global_tokens / (num_micro * dp)
+                # The loss function's share of the token mean over the global
+                # mini-batch (algorithms/token_mean.py); the worker does the rest.
+                tokens = microbatch_denominator(
+                    global_tokens, rows=part.batch_size, micro_batch_size=micro, dp_size=dp
+                )
 
                 loss_fn = self._loss_fn(tokens, clip_counts, off_policy if epoch == 0 else None)
                 result = self.worker.train_step(
@@ -328,10 +328,10 @@ class PolicyTrainer:
                 where = f"rank {self.info.rank}, optimizer step {len(grad_norms) + 1}"
                 require_finite(result.loss, quantity="train/policy_loss", step=step, where=where)
                 require_finite(result.grad_norm, quantity="train/grad_norm", step=step, where=where)
-                # The worker returns the mean of its microbatch losses, each already
-                # scaled by num_micro * dp over the global token count: that mean is
-                # this shard's share of the mini-batch token mean (the whole mean on
-                # one rank, and the ranks' row-weighted mean across ranks).
+                # The worker returns the mean of its microbatch losses, each a token sum
+                # over ``microbatch_denominator`` (the global count over microbatches *
+                # dp): that mean is this shard's share of the mini-batch token mean
+                # times dp (the whole mean on one rank; algorithms/token_mean.py).
                 losses.append(result.loss)
                 grad_norms.append(result.grad_norm)
                 lr = result.lr

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from skyrl_train.algorithms.token_mean import data_parallel_mean_
 from skyrl_train.workers.megatron.pipeline import PipelineGroup
 
 
@@ -67,11 +68,13 @@ def sum_sequence_parallel_grads(model: torch.nn.Module) -> None:
 def average_data_parallel_grads(params: Sequence[torch.nn.Parameter]) -> None:
     """Sum each gradient over its data-parallel group and divide it by the dense
     data-parallel size, as megatron-core's DDP does for both kinds (its
-    ``expert_gradient_scaling_factor`` is also 1/dp). An expert parameter's group is
-    the expert-data-parallel one: the ranks that hold the same experts, which under
-    TP x EP with a smaller expert tensor size (TP=4 x EP=2 x ETP=1: dense DP 1, expert
-    DP 2) outnumber the dense data-parallel ranks, each having dispatched its own
-    sequence shard's tokens to them."""
+    ``expert_gradient_scaling_factor`` is also 1/dp), and as the loss normalisation
+    expects (``algorithms/token_mean.py``: the mini-batch's rows are split over the
+    dense data-parallel ranks). An expert parameter's group is the expert-data-parallel
+    one: the ranks that hold the same experts, which under TP x EP with a smaller
+    expert tensor size (TP=4 x EP=2 x ETP=1: dense DP 1, expert DP 2) outnumber the
+    dense data-parallel ranks, each having dispatched its own sequence shard's tokens
+    to them."""
     from megatron.core import parallel_state
 
     dp_size = parallel_state.get_data_parallel_world_size()
@@ -88,8 +91,7 @@ def average_data_parallel_grads(params: Sequence[torch.nn.Parameter]) -> None:
         expert = int(_is_expert(param))
         if sizes[expert] > 1:
             torch.distributed.all_reduce(param.grad, group=groups[expert])
-        if dp_size > 1:
-            param.grad.div_(dp_size)
+        data_parallel_mean_(param.grad, dp_size=dp_size)
 
 
 def clip_grad_norm(

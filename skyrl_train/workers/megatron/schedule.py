@@ -4,7 +4,8 @@
 pipelining, 1F1B, or interleaved with virtual stages); this module feeds it. What a
 caller wants from the logits (log-probs to keep, or a loss to back-propagate) is its
 ``head``; whether routes are replayed or captured is what it passes in. Nothing here
-knows about losses, optimizers or the trainer.
+knows about losses, optimizers or the trainer, beyond the microbatch weighting the
+loss normalisation asks of every backend (``algorithms/token_mean.py``).
 
 Under pipeline parallelism stages exchange fixed-shape activations, so every
 microbatch is padded to the largest one's rows, and the interleaved schedule needs a
@@ -22,6 +23,7 @@ from typing import Any, Protocol
 
 import torch
 
+from skyrl_train.algorithms.token_mean import microbatch_loss_weight
 from skyrl_train.dataset.batch import TrainingBatch
 from skyrl_train.errors import RouteReplayError
 from skyrl_train.workers.megatron import replay
@@ -117,9 +119,9 @@ def run_schedule(
     from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
 
     count, total = batches.count, batches.total
-    # Megatron divides each microbatch's loss by the (padded) count; a head's loss is
-    # a mean over the real ones.
-    scale = total / count
+    # Megatron divides each microbatch's loss by the (padded) count; the backends'
+    # contract (algorithms/token_mean.py) is a mean over the real ones.
+    scale = microbatch_loss_weight(microbatches=count, divided_by=total)
     driver = None
     if replay_driver is not None:
         driver = replay_driver(routers, [_routes_of(layout) for layout in batches.inputs])
