@@ -71,7 +71,7 @@ def test_a_split_mini_batch_trains_on_its_token_mean(dp: int, micro: int, padded
     assert torch.allclose(summed, whole.grad, rtol=1e-12, atol=0)
     # Each rank reports the mean of its microbatch losses; summed over the ranks and
     # divided by their step counts (one each), that is the mini-batch's token mean.
-    assert sum(reported) / dp == pytest.approx(float(want), rel=1e-12)
+    assert sum(reported) / dp == pytest.approx(float(want.detach()), rel=1e-12)
 
 
 def test_the_rules_refuse_counts_that_cannot_be() -> None:
