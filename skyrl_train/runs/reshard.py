@@ -1,14 +1,18 @@
 """Resuming a checkpoint under another Megatron layout (TP, PP, VPP, EP or DP size).
 
 Each rank file records where every one of its parameters sits in the whole model
-(``placement``): a layout-free key (the Megatron name with the global layer number and
-the global expert index, no virtual-stage prefix) and, for a tensor-parallel shard, its
-partition dim, TP rank and TP size. A rank resuming under another layout reads every
-old rank file (``torch.load(weights_only=True, mmap=True)``: only the pieces it uses are
-paged in), joins each of its parameters' whole tensor from the old shards and cuts its
-own shard with ``tensor_parallel.shard_of``, the cut the HF weight loading uses. AdamW's
-``exp_avg`` and ``exp_avg_sq`` have their parameter's shape and are resharded the same
-way; its ``step`` and hyperparameters are copied.
+(``placement``, written by the backend: ``workers/megatron/placement.py``): a
+layout-free key (the Megatron name with the global layer number and the global expert
+index, no virtual-stage prefix) and, for a tensor-parallel shard, its partition dim, TP
+rank and TP size. A rank resuming under another layout reads every old rank file
+(``torch.load(weights_only=True, mmap=True)``: only the pieces it uses are paged in),
+joins each of its parameters' whole tensor from the old shards and cuts its own shard
+from its own placement (``utils/shards.py``, the cut the HF weight loading uses).
+AdamW's ``exp_avg`` and ``exp_avg_sq`` have their parameter's shape and are resharded
+the same way; its ``step`` and hyperparameters are copied.
+
+The worker is reached only through its checkpoint pair (``Checkpointable``): what it
+saves, and a state of the same form to load.
 
 Why not megatron-core's ``dist_checkpointing``: its torch_dist backend reads the
 checkpoint's ``.metadata`` with ``pickle.load`` (torch.distributed.checkpoint's
@@ -23,23 +27,21 @@ torch, numpy and Python states when the old layout had a rank r, and keeps the s
 
 from __future__ import annotations
 
-import dataclasses
-import re
-from collections.abc import Mapping, Sequence
+import copy
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from skyrl_train.errors import CheckpointError
 from skyrl_train.runs.checkpoint import RESUME_KEY
 from skyrl_train.runs.rank_state import LAYOUT_DEFAULTS, RngState, checkpoint_file, read_plain
+from skyrl_train.utils.shards import cut_shard, join_shards
 
 PLACEMENT_KEY = "placement"
-"""A rank file's record of where its parameters sit (``placement_record``)."""
-_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
-_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.+)$")
+"""A rank file's record of where its parameters sit (``Checkpointable.checkpoint_state``)."""
 _MOMENTS = ("exp_avg", "exp_avg_sq")
 _FIELDS = ("key", "dim", "tp_rank", "tp_size", "gated")
 
@@ -59,6 +61,24 @@ class Placement:
     """A gated ``linear_fc1``: ``[gate_r; up_r]`` (``tensor_parallel.is_gated``)."""
 
 
+class Checkpointable(Protocol):
+    """A trainer rank's checkpoint pair, the only way this module reaches a worker
+    (``workers.base.PolicyWorker`` includes it)."""
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        """This rank's state as plain data (tensors, numbers, strings, lists, dicts):
+        ``"model"``, the model's state dict (every parameter under its
+        ``named_parameters`` name); ``"optimizer"``, the optimizer's (AdamW's, its state
+        indexed in parameter order); and ``PLACEMENT_KEY``, one record per parameter in
+        that same order (``Placement`` fields and ``"name"``)."""
+        ...
+
+    def load_checkpoint_state(self, state: Mapping[str, Any]) -> None:
+        """Load ``"model"`` and ``"optimizer"`` of a ``checkpoint_state`` of this layout
+        (its placement is not read)."""
+        ...
+
+
 @dataclass(frozen=True)
 class SavedLayout:
     """What rank 0's file says about the layout that wrote the checkpoint."""
@@ -67,47 +87,6 @@ class SavedLayout:
     layout: dict[str, Any]
     reshardable: bool
     """Its rank files record their placement (written since resharding was added)."""
-
-
-def placements(chunks: Sequence[Any]) -> dict[str, Placement]:
-    """Every parameter of this rank's ``chunks``, by its name in the worker's model
-    (``"<chunk>."``-prefixed under virtual stages), in ``named_parameters`` order."""
-    from megatron.core import parallel_state
-
-    from skyrl_train.workers.megatron.tensor_parallel import is_gated, tensor_parallel_of
-
-    ep_rank = parallel_state.get_expert_model_parallel_rank()
-    found: dict[str, Placement] = {}
-    for index, chunk in enumerate(chunks):
-        prefix = f"{index}." if len(chunks) > 1 else ""
-        for name, param in chunk.named_parameters():
-            key = name
-            layer_match = _LAYER.match(name)
-            if layer_match is not None:
-                layer = chunk.decoder.layers[int(layer_match.group(1))]
-                rest = layer_match.group(2)
-                expert_match = _EXPERT.match(rest)
-                if expert_match is not None:
-                    local = len(layer.mlp.experts.local_experts)
-                    number = ep_rank * local + int(expert_match.group(1))
-                    rest = f"mlp.experts.local_experts.{number}.{expert_match.group(2)}"
-                # Megatron numbers layers from 1, globally.
-                key = f"decoder.layers.{layer.layer_number - 1}.{rest}"
-            tp_rank, tp_size, _group = tensor_parallel_of(param)
-            found[prefix + name] = Placement(
-                key=key,
-                dim=int(getattr(param, "partition_dim", 0)) if tp_size > 1 else 0,
-                tp_rank=tp_rank,
-                tp_size=tp_size,
-                gated=is_gated(name),
-            )
-    return found
-
-
-def placement_record(chunks: Sequence[Any]) -> list[dict[str, Any]]:
-    """``placements`` as a rank file stores them: plain data, in parameter order (the
-    order of AdamW's state indexes)."""
-    return [{"name": name, **dataclasses.asdict(p)} for name, p in placements(chunks).items()]
 
 
 def saved_layout(folder: Path) -> SavedLayout:
@@ -145,26 +124,25 @@ class Resharded:
 
 
 def load_resharded(
-    folder: Path,
-    *,
-    rank: int,
-    saved_world_size: int,
-    model: torch.nn.Module,
-    chunks: Sequence[Any],
-    optimizer: torch.optim.Optimizer,
+    folder: Path, worker: Checkpointable, *, rank: int, saved_world_size: int
 ) -> Resharded:
-    """Restore this rank's ``model`` parameters and ``optimizer`` state (AdamW) from
-    the ``saved_world_size`` rank files of ``folder``, written under another layout.
+    """Restore ``worker``'s parameters and optimizer state (AdamW) from the
+    ``saved_world_size`` rank files of ``folder``, written under another layout, and
+    this rank's RNG states when the old layout had its rank.
 
     Every refusal is a ``CheckpointError`` naming the file and the parameter: a file
     without placement records, a parameter no file holds, shards that do not tile it.
-    Nothing is copied until every tensor of this rank was assembled.
+    Nothing is loaded until every tensor of this rank was assembled.
     """
     states = [_read(checkpoint_file(folder, old)) for old in range(saved_world_size)]
     pieces = _index(folder, states)
-    mine = placements(chunks)
-    params = dict(model.named_parameters())
-    if list(mine) != list(params):
+    current = worker.checkpoint_state()
+    own = current["model"]
+    mine = {
+        entry["name"]: Placement(**{f: entry[f] for f in _FIELDS})
+        for entry in current[PLACEMENT_KEY]
+    }
+    if not mine.keys() <= own.keys():
         raise RuntimeError("placements: expected the model's own parameter names")
     weights: dict[str, torch.Tensor] = {}
     moments: dict[str, dict[str, Any]] = {}
@@ -178,7 +156,8 @@ def load_resharded(
                 expected=f"a rank file holding {want.key} (this run's {name})",
                 got=f"none of the {saved_world_size} rank files does",
             )
-        weights[name] = _cut(folder, found, want, params[name], "model")
+        shape = tuple(own[name].shape)
+        weights[name] = _cut(folder, found, want, shape, "model")
         first = found[0]
         state = first.optimizer.get("state", {}).get(first.index)
         if group is None:
@@ -186,24 +165,28 @@ def load_resharded(
         if state is not None:
             restored = {"step": state["step"].clone()}
             for moment in _MOMENTS:
-                restored[moment] = _cut(folder, found, want, params[name], moment)
+                restored[moment] = _cut(folder, found, want, shape, moment)
             moments[name] = restored
     rng_from = rank if rank < saved_world_size else None
     # Checked before anything is restored: a bad RNG field leaves the model as it was.
     rng = None
     if rng_from is not None:
         rng = RngState.read(states[rng_from], checkpoint_file(folder, rng_from))
-    order = list(params)
+    order = list(mine)
     assert group is not None
-    optimizer.load_state_dict(
+    # The model's other entries (buffers) stay its own: only parameters reshard. A copy,
+    # not a new dict: a state dict's ``_metadata`` (module versions) goes with it.
+    model = copy.copy(own)
+    model.update(weights)
+    worker.load_checkpoint_state(
         {
-            "state": {order.index(name): value for name, value in moments.items()},
-            "param_groups": [{**group, "params": list(range(len(order)))}],
+            "model": model,
+            "optimizer": {
+                "state": {order.index(name): value for name, value in moments.items()},
+                "param_groups": [{**group, "params": list(range(len(order)))}],
+            },
         }
     )
-    with torch.no_grad():
-        for name, value in weights.items():
-            params[name].copy_(value)
     if rng is not None:
         rng.restore()
     return Resharded(parameters=len(weights), moments=len(moments), rng_from=rng_from)
@@ -259,19 +242,23 @@ def _index(folder: Path, states: list[dict[str, Any]]) -> dict[str, list[_Piece]
                 f"{state.get('world_size')!r} ranks)",
             )
         for index, entry in enumerate(record):
-            try:
-                name = entry["name"]
-                placement = Placement(**{f: entry[f] for f in _FIELDS})
-            except (KeyError, TypeError) as exc:
-                raise CheckpointError(
-                    RESUME_KEY,
-                    path,
-                    expected=f"{PLACEMENT_KEY}[{index}]: a dict of name, {', '.join(_FIELDS)}",
-                    got=f"{type(exc).__name__}: {exc}",
-                ) from None
+            name, placement = _placement(path, index, entry)
             piece = _Piece(path, name, index, placement, state["model"], state["optimizer"])
             pieces.setdefault(placement.key, []).append(piece)
     return pieces
+
+
+def _placement(path: Path, index: int, entry: Any) -> tuple[str, Placement]:
+    """One placement record's parameter name and placement."""
+    try:
+        return entry["name"], Placement(**{f: entry[f] for f in _FIELDS})
+    except (KeyError, TypeError) as exc:
+        raise CheckpointError(
+            RESUME_KEY,
+            path,
+            expected=f"{PLACEMENT_KEY}[{index}]: a dict of name, {', '.join(_FIELDS)}",
+            got=f"{type(exc).__name__}: {exc}",
+        ) from None
 
 
 def _param_group(path: Path, optimizer: Mapping[str, Any]) -> dict[str, Any]:
@@ -290,13 +277,11 @@ def _cut(
     folder: Path,
     found: list[_Piece],
     want: Placement,
-    param: torch.Tensor,
+    shape: tuple[int, ...],
     what: str,
 ) -> torch.Tensor:
     """This rank's shard of ``want.key``'s whole tensor (``what``: the weight, "model",
-    or an AdamW moment), joined from the old shards."""
-    from skyrl_train.workers.megatron.tensor_parallel import join_shards, shard_of
-
+    or an AdamW moment), joined from the old shards and cut as ``want`` places it."""
     size = found[0].placement.tp_size
     shards: dict[int, torch.Tensor] = {}
     for piece in found:
@@ -330,12 +315,12 @@ def _cut(
     whole = join_shards(
         [shards[r] for r in range(size)], dim=found[0].placement.dim, gated=want.gated
     )
-    cut = shard_of(param, whole, gated=want.gated)
-    if cut.shape != param.shape:
+    cut = cut_shard(whole, dim=want.dim, rank=want.tp_rank, size=want.tp_size, gated=want.gated)
+    if tuple(cut.shape) != shape:
         raise CheckpointError(
             RESUME_KEY,
             found[0].file,
-            expected=f"{want.key}'s {what}: a shard of shape {tuple(param.shape)} for this layout",
+            expected=f"{want.key}'s {what}: a shard of shape {shape} for this layout",
             got=f"{tuple(cut.shape)} from the whole {tuple(whole.shape)}",
         )
     return cut.clone()
@@ -344,24 +329,24 @@ def _cut(
 # ------------------------------------------------------------ a trainer rank's file
 
 
-def rank_checkpoint(worker: Any, *, world_size: int, layout: dict[str, Any]) -> dict[str, Any]:
-    """What a trainer rank saves (``rank_state.save_rank_state`` writes it): its model
-    and AdamW state, RNG states, the layout it ran under and its ``placement``."""
+def rank_checkpoint(
+    worker: Checkpointable, *, world_size: int, layout: dict[str, Any]
+) -> dict[str, Any]:
+    """What a trainer rank saves (``rank_state.save_rank_state`` writes it): its
+    ``checkpoint_state`` (model, AdamW state and ``placement``), RNG states and the
+    layout it ran under."""
     from skyrl_train.runs.rank_state import rng_state
 
-    assert worker.optimizer is not None
     return {
         "world_size": world_size,
         "layout": layout,
-        "model": worker.model.state_dict(),
-        "optimizer": worker.optimizer.state_dict(),
+        **worker.checkpoint_state(),
         "rng": rng_state(),
-        PLACEMENT_KEY: placement_record(worker.chunks),
     }
 
 
 def restore_rank(
-    folder: Path, worker: Any, *, rank: int, world_size: int, layout: dict[str, Any]
+    folder: Path, worker: Checkpointable, *, rank: int, world_size: int, layout: dict[str, Any]
 ) -> Resharded | None:
     """Restore a trainer rank from ``folder``: its own rank file when the checkpoint
     was written under this layout (None returned), else resharded (``load_resharded``).
@@ -380,20 +365,11 @@ def restore_rank(
         and saved.reshardable
         and not same_layout(saved, world_size=world_size, layout=layout)
     ):
-        assert saved.world_size is not None and worker.optimizer is not None
-        return load_resharded(
-            folder,
-            rank=rank,
-            saved_world_size=saved.world_size,
-            model=worker.model,
-            chunks=worker.chunks,
-            optimizer=worker.optimizer,
-        )
+        assert saved.world_size is not None
+        return load_resharded(folder, worker, rank=rank, saved_world_size=saved.world_size)
     state = load_rank_state(folder, rank=rank, world_size=world_size, layout=layout)
     # Checked before anything is restored: a bad RNG field leaves the model as it was.
     rng = RngState.read(state, checkpoint_file(folder, rank))
-    assert worker.optimizer is not None
-    worker.model.load_state_dict(state["model"])
-    worker.optimizer.load_state_dict(state["optimizer"])
+    worker.load_checkpoint_state(state)
     rng.restore()
     return None

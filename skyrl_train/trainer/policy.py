@@ -20,7 +20,6 @@ import asyncio
 import logging
 import os
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +37,7 @@ from skyrl_train.algorithms import (
     token_mean_entropy,
 )
 from skyrl_train.algorithms.token_mean import microbatch_denominator
-from skyrl_train.config.schema import PPOConfig, trainer_temperature
+from skyrl_train.config.schema import PPOConfig
 from skyrl_train.dataset.batch import TrainingBatch, slice_batch, training_loss_mask
 from skyrl_train.runs.export import WeightFiles, write_weights
 from skyrl_train.runs.rank_state import checkpoint_file, save_rank_state
@@ -47,7 +46,7 @@ from skyrl_train.trainer.data_parallel import ROWS_KEY
 from skyrl_train.trainer.finite import require_finite, require_finite_weights
 from skyrl_train.trainer.weight_sync import WeightSyncer
 from skyrl_train.utils.ray_session import rendezvous_url
-from skyrl_train.workers.megatron.worker import MegatronPolicyWorker
+from skyrl_train.workers.base import PolicyWorker, RankInfo
 
 logger = logging.getLogger(__name__)
 
@@ -67,28 +66,9 @@ def checkpoint_weights(folder: str | Path) -> Iterator[tuple[str, torch.Tensor]]
         yield name, param.detach()
 
 
-@dataclass(frozen=True)
-class RankInfo:
-    """Where a trainer rank sits in Megatron's parallel groups, read after setup."""
-
-    rank: int
-    world_size: int
-    dp_rank: int
-    dp_size: int
-    ep_size: int
-    pp_rank: int = 0
-    pp_size: int = 1
-    tp_size: int = 1
-
-    @property
-    def is_last_stage(self) -> bool:
-        """The pipeline stage whose loss function ran: its metrics are the complete ones
-        (clip fraction and TIS weights are counted inside the loss)."""
-        return self.pp_rank == self.pp_size - 1
-
-
 class PolicyTrainer:
-    """One trainer rank's Megatron policy worker; every method is a Ray actor call.
+    """One trainer rank's policy worker (``workers.base.PolicyWorker``, whichever
+    backend built it); every method is a Ray actor call.
 
     Construction only stores the config; ``setup`` joins torch.distributed (when
     ``world_size > 1``) and builds the model, so rank 0 can first pick the rendezvous
@@ -103,7 +83,7 @@ class PolicyTrainer:
         self.checkpoint = checkpoint
         """The model folder the run trains (``config.model_source.model_checkpoint``)."""
         self.pad_token_id = pad_token_id
-        self.worker: MegatronPolicyWorker
+        self.worker: PolicyWorker
         self.reference: dict[str, torch.Tensor] | None = None
         """This rank's initial parameters (``trainer.ref``); None when neither the KL
         metric nor the KL loss needs them."""
@@ -117,40 +97,29 @@ class PolicyTrainer:
 
     def setup(self, *, rank: int = 0, world_size: int = 1, init_method: str = "env://") -> RankInfo:
         """Join the process group and build the worker; returns this rank's place."""
-        from megatron.core import parallel_state
-
-        from skyrl_train.workers.megatron.model import init_distributed
+        # Here, not at module import: the driver imports this module and must not load
+        # a backend (workers/factory.py).
+        from skyrl_train.workers.factory import build_worker
 
         if init_method.startswith("file://"):
             # Ranks that met through a local file talk over loopback too; gloo would
             # otherwise bind to whatever address the host name resolves to.
             os.environ["GLOO_SOCKET_IFNAME"] = "lo"
-        if world_size > 1 and not torch.distributed.is_initialized():
-            init_distributed(rank=rank, world_size=world_size, init_method=init_method)
         cfg = self.cfg
-        self.worker = MegatronPolicyWorker(
-            inspect_checkpoint(self.checkpoint).architecture,
-            cfg.trainer.policy.megatron_config,
-            optimizer=cfg.trainer.policy.optimizer_config,
-            seed=cfg.trainer.seed,
+        self.worker = build_worker(
+            cfg,
+            architecture=inspect_checkpoint(self.checkpoint).architecture,
             pad_token_id=self.pad_token_id,
-            temperature=trainer_temperature(cfg),
-        ).setup()
+            rank=rank,
+            world_size=world_size,
+            init_method=init_method,
+        )
         self.worker.load_weights(checkpoint_weights(self.checkpoint))
         if cfg.trainer.ref.log_kl or cfg.trainer.algorithm.use_kl_loss:
             # Taken before any resume (load_checkpoint comes later): the reference is
             # the run's starting point, so a resumed run measures the same KL.
             self.reference = self.worker.parameter_snapshot()
-        self.info = RankInfo(
-            rank=rank,
-            world_size=world_size,
-            dp_rank=parallel_state.get_data_parallel_rank(),
-            dp_size=parallel_state.get_data_parallel_world_size(),
-            ep_size=parallel_state.get_expert_model_parallel_world_size(),
-            pp_rank=parallel_state.get_pipeline_model_parallel_rank(),
-            pp_size=parallel_state.get_pipeline_model_parallel_world_size(),
-            tp_size=parallel_state.get_tensor_model_parallel_world_size(),
-        )
+        self.info = self.worker.rank_info()
         return self.info
 
     # ---- one training step --------------------------------------------------------
@@ -257,7 +226,7 @@ class PolicyTrainer:
         )
         # Each rank checks its own parameters: together they cover every expert shard.
         require_finite_weights(
-            self.worker.model.named_parameters(), step=step, where=f"rank {self.info.rank}"
+            self.worker.named_parameters(), step=step, where=f"rank {self.info.rank}"
         )
         metrics.total(ROWS_KEY, float(batch.batch_size))
         return metrics

@@ -5,7 +5,8 @@ Modules: ``cpu_compat`` (the CPU shim), ``model`` (TransformerConfig + GPTModel 
 takes whole), ``convert`` (weights both ways in the engine's HF layout), ``layout``
 (left-padded batch -> contiguous rows), ``replay`` (route checks and the RouterReplay
 driver, keyed by model chunk and microbatch), ``pipeline`` (results moved across
-pipeline stages), ``worker`` (the public worker, on Megatron's schedules).
+pipeline stages), ``placement`` (where each parameter sits, for resharding a
+checkpoint), ``worker`` (the public worker, on Megatron's schedules).
 """
 
 import warnings

@@ -4,7 +4,8 @@ Megatron marks a sharded parameter ``tensor_model_parallel`` with its
 ``partition_dim`` (0: column-parallel, 1: row-parallel); expert weights
 (``allreduce=False``) are sharded over the expert tensor-parallel group. Weight loading
 (``convert.load_hf_weights``) cuts each rank's shard from the HF tensor and export
-gathers the shards back, so the engine always sees whole tensors.
+gathers the shards back, so the engine always sees whole tensors. The cut itself is
+``utils/shards.py``'s, which a checkpoint's resharding shares (``runs/reshard.py``).
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+
+from skyrl_train.utils.shards import cut_shard, join_shards
 
 
 def tensor_parallel_of(param: torch.Tensor) -> tuple[int, int, Any]:
@@ -47,13 +50,8 @@ def shard_of(param: torch.Tensor, whole: torch.Tensor, *, gated: bool) -> torch.
     row-parallel on dim 1 (megatron's ``partition_dim``); q/k/v, laid out per KV group,
     split into whole groups."""
     rank, size, _group = tensor_parallel_of(param)
-    if size == 1:
-        return whole
     dim = int(getattr(param, "partition_dim", 0))
-    if gated:
-        halves = torch.chunk(whole, 2, dim=dim)
-        return torch.cat([torch.chunk(h, size, dim=dim)[rank] for h in halves], dim=dim)
-    return torch.chunk(whole, size, dim=dim)[rank]
+    return cut_shard(whole, dim=dim, rank=rank, size=size, gated=gated)
 
 
 def unshard(param: torch.Tensor, *, gated: bool) -> torch.Tensor:
@@ -67,15 +65,6 @@ def unshard(param: torch.Tensor, *, gated: bool) -> torch.Tensor:
     parts = [torch.empty_like(local) for _ in range(size)]
     torch.distributed.all_gather(parts, local.contiguous(), group=group)
     return join_shards(parts, dim=dim, gated=gated)
-
-
-def join_shards(parts: list[torch.Tensor], *, dim: int, gated: bool) -> torch.Tensor:
-    """The whole tensor from its TP ranks' shards in rank order: ``shard_of``'s inverse
-    (also the resharding of a checkpoint, ``runs/reshard.py``)."""
-    if gated:
-        pairs = [torch.chunk(part, 2, dim=dim) for part in parts]
-        return torch.cat([p[0] for p in pairs] + [p[1] for p in pairs], dim=dim)
-    return torch.cat(parts, dim=dim)
 
 
 def whole_shape_of(param: torch.Tensor) -> torch.Tensor:

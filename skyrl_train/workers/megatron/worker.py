@@ -22,9 +22,8 @@ driver, weight conversion and batch layout are their own modules.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -36,6 +35,13 @@ from skyrl_train.config.constraints import check_constraints
 from skyrl_train.config.schema import MegatronConfig, OptimizerConfig
 from skyrl_train.dataset.batch import TrainingBatch, batch_to, slice_batch
 from skyrl_train.errors import ConfigValidationError, RouteReplayError
+from skyrl_train.workers.base import (
+    EntropyLossFn,
+    ForwardResult,
+    LossFn,
+    RankInfo,
+    TrainStepResult,
+)
 from skyrl_train.workers.megatron import convert, replay
 from skyrl_train.workers.megatron.cpu_compat import apply_cpu_compat
 from skyrl_train.workers.megatron.gradients import (
@@ -63,42 +69,11 @@ from skyrl_train.workers.megatron.schedule import (
     run_schedule,
 )
 
-LossFn = Callable[[torch.Tensor, TrainingBatch], torch.Tensor]
-"""``loss_fn(logprobs [b, R], microbatch) -> scalar``."""
-EntropyLossFn = Callable[[torch.Tensor, TrainingBatch, torch.Tensor], torch.Tensor]
-"""``loss_fn(logprobs [b, R], microbatch, entropy [b, R]) -> scalar`` (``entropy=True``)."""
-
-
-@dataclass
-class ForwardResult:
-    logprobs: torch.Tensor
-    """[B, R] fp32 response-token logprobs, 0 where response_mask is 0."""
-    routes: torch.Tensor | None = None
-    """[B, S, L_moe, K] experts each router of the model dispatched to (ascending ids), in
-    the batch's own layout; only when ``capture_routes=True``. Padding rows are arange(K)."""
-    entropy: torch.Tensor | None = None
-    """[B, R] fp32 entropy (nats) of the model's full next-token distribution at each
-    response position, 0 where response_mask is 0; only when ``entropy=True``."""
-
-
-@dataclass
-class TrainStepResult:
-    loss: float
-    """Mean of the microbatch losses."""
-    grad_norm: float
-    """Global gradient norm before clipping."""
-    num_microbatches: int
-    replayed: bool
-    lr: float
-    """The learning rate this step used (warmup included)."""
-    routes: torch.Tensor | None = None
-    """[B, S, L_moe, K] experts each router of the model dispatched to in the update's
-    forward (as ``ForwardResult.routes``); only when ``capture_routes=True``."""
-
 
 class MegatronPolicyWorker:
-    """One rank's policy model. Build with the checkpoint's architecture and the
-    ``trainer.policy.megatron_config`` node, then ``setup()``. Routes are
+    """One rank's policy model, the Megatron backend's ``workers.base.PolicyWorker``
+    (its gradient and route contracts). Build with the checkpoint's architecture and
+    the ``trainer.policy.megatron_config`` node, then ``setup()``. Routes are
     ``[B, S, L_moe, K]``: MoE layers only, every stage's."""
 
     replay_driver: ReplayDriverFactory = replay.KeyedReplay
@@ -204,6 +179,47 @@ class MegatronPolicyWorker:
         """Stream the whole model's weights in the engine's layout, one tensor at a time.
         With EP > 1 or PP > 1 every rank of those groups must consume it in lockstep."""
         return convert.export_hf_weights(self._require_chunks(), self.architecture)
+
+    def named_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """This rank's parameters (its shards), as its model names them."""
+        return self._require_model().named_parameters()
+
+    # ---- checkpoints (runs/reshard.py's Checkpointable) -------------------------------
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        """The model's and AdamW's state dicts, and where each parameter sits in the
+        whole model (``placement.placement_record``), for another layout's resume."""
+        from skyrl_train.runs.reshard import PLACEMENT_KEY
+        from skyrl_train.workers.megatron.placement import placement_record
+
+        assert self.optimizer is not None
+        return {
+            "model": self._require_model().state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            PLACEMENT_KEY: placement_record(self._require_chunks()),
+        }
+
+    def load_checkpoint_state(self, state: Mapping[str, Any]) -> None:
+        """Load a ``checkpoint_state`` of this layout (or one resharded to it)."""
+        assert self.optimizer is not None
+        self._require_model().load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+
+    def rank_info(self) -> RankInfo:
+        """This rank's place in torch.distributed and Megatron's parallel groups."""
+        from megatron.core import parallel_state
+
+        self._require_model()
+        return RankInfo(
+            rank=torch.distributed.get_rank(),
+            world_size=torch.distributed.get_world_size(),
+            dp_rank=parallel_state.get_data_parallel_rank(),
+            dp_size=parallel_state.get_data_parallel_world_size(),
+            ep_size=parallel_state.get_expert_model_parallel_world_size(),
+            pp_rank=parallel_state.get_pipeline_model_parallel_rank(),
+            pp_size=parallel_state.get_pipeline_model_parallel_world_size(),
+            tp_size=parallel_state.get_tensor_model_parallel_world_size(),
+        )
 
     # ---- forward ----------------------------------------------------------------
 

@@ -4,16 +4,16 @@ and the per-rank checkpoint checks."""
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from _stand_in_worker import StandInWorker, check_stand_in
 
 from skyrl_train.algorithms import MetricSums
-from skyrl_train.algorithms.mismatch import router_agreement
 from skyrl_train.config.compose import load_config
 from skyrl_train.dataset.batch import TrainingBatch, slice_batch
 from skyrl_train.errors import CheckpointError, ConfigValidationError
@@ -25,7 +25,7 @@ from skyrl_train.trainer.data_parallel import (
     shard_mini_batches,
 )
 from skyrl_train.trainer.policy import PolicyTrainer, RankInfo
-from skyrl_train.workers.megatron.worker import ForwardResult, TrainStepResult
+from skyrl_train.workers.base import ForwardResult, TrainStepResult
 
 
 def _batch(rows: int, *, seq: int = 6, actions: int = 3, layers: int = 2, k: int = 2):
@@ -144,8 +144,8 @@ PROMPTS, SAMPLES, MINI_PROMPTS, WIDTH, PROMPT_LEN, LAYERS, K = 4, 2, 2, 5, 3, 2,
 ROWS = PROMPTS * SAMPLES
 
 
-class RowTableWorker:
-    """A stand-in for ``MegatronPolicyWorker`` (its forward/train_step contract) whose
+class RowTableWorker(StandInWorker):
+    """A stand-in ``PolicyWorker`` (its forward/train_step contract) whose
     every output is a table indexed by row id (``sequences[:, 0]``), so a row gives the
     same numbers on whichever rank it lands: logprobs (old, current, reference),
     entropy, and the routes a replayed and a native forward dispatch. ``train_step``
@@ -154,18 +154,18 @@ class RowTableWorker:
     one is all-reduced and the same on every rank."""
 
     def __init__(self, tables: dict[str, torch.Tensor]) -> None:
+        super().__init__()
         self.tables = tables
         self.old = tables["old"]
-        self.model = torch.nn.Linear(1, 1)
 
     def forward(
         self,
         batch: TrainingBatch,
         *,
-        replay_routes: bool = False,
+        replay_routes: bool | None = False,
         capture_routes: bool = False,
         entropy: bool = False,
-        **options: object,
+        **options: Any,
     ) -> ForwardResult:
         rows = batch.sequences[:, 0]
         routes = self.tables["trained_routes" if replay_routes else "native_routes"][rows]
@@ -175,12 +175,8 @@ class RowTableWorker:
             entropy=self.tables["entropy"][rows] * batch.response_mask if entropy else None,
         )
 
-    def rollout_router_agreement(self, batch: TrainingBatch, routes: torch.Tensor) -> Any:
-        assert batch.routed_experts is not None
-        return router_agreement(routes, batch.routed_experts, ~batch.attention_mask.bool())
-
     @contextmanager
-    def swapped_weights(self, weights: dict[str, torch.Tensor]) -> Iterator[None]:
+    def swapped_weights(self, weights: Mapping[str, torch.Tensor]) -> Iterator[None]:
         own, self.old = self.old, weights["table"]
         try:
             yield
@@ -273,7 +269,7 @@ def _rank(tmp_path: Path, tables: dict[str, torch.Tensor], dp_rank: int, dp: int
         ]
     )
     trainer = PolicyTrainer(cfg, checkpoint=str(tmp_path), pad_token_id=0)
-    trainer.worker = RowTableWorker(tables)  # type: ignore[assignment]
+    trainer.worker = check_stand_in(RowTableWorker(tables))
     trainer.reference = {"table": tables["reference"]}
     trainer.info = RankInfo(rank=dp_rank, world_size=dp, dp_rank=dp_rank, dp_size=dp, ep_size=1)
     return trainer

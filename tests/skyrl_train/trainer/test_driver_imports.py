@@ -30,3 +30,20 @@ def test_the_data_parallel_driver_does_not_import_the_worker() -> None:
 
 def test_the_batch_operations_do_not_import_the_worker() -> None:
     assert loaded_after("skyrl_train.dataset.batch") == []
+
+
+def test_the_driver_loads_no_training_backend() -> None:
+    """The launch's driver modules (the entry point, the policy group and through it the
+    trainer-rank module, the loop and the engines) load no backend: the rank actor
+    builds its worker through ``workers/factory.py``, imported inside ``setup``."""
+    modules = (
+        "skyrl_train.entrypoints.main_base",
+        "skyrl_train.trainer.policy_group",
+        "skyrl_train.trainer.loop",
+        "skyrl_train.trainer.engines",
+    )
+    loaded = loaded_after(", ".join(modules))
+    backends = [m for m in loaded if m.split(".")[0] == "megatron" or ".workers.megatron" in m]
+    assert backends == []
+    # The worker contract is what the trainer module does load.
+    assert "skyrl_train.workers.base" in loaded

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import torch
+from _stand_in_worker import StandInWorker, check_stand_in
 
 from skyrl_train.config.compose import load_config
 from skyrl_train.dataset.batch import TrainingBatch
@@ -20,19 +21,21 @@ from skyrl_train.trainer import loop as loop_module
 from skyrl_train.trainer.finite import require_finite, require_finite_weights
 from skyrl_train.trainer.loop import GRPOLoop
 from skyrl_train.trainer.policy import PolicyTrainer
-from skyrl_train.workers.megatron.worker import ForwardResult, TrainStepResult
+from skyrl_train.workers.base import ForwardResult, TrainStepResult
 
 N_SAMPLES = 2
 PROMPTS = 2
 
 
-class NaNWorker:
-    """Stands in for MegatronPolicyWorker: ``poison`` picks what its optimizer step
+class NaNWorker(StandInWorker):
+    """A stand-in ``PolicyWorker``: ``poison`` picks what its optimizer step
     turns non-finite ("loss", "grad_norm", "weight" or None)."""
 
     def __init__(self, poison: str | None) -> None:
+        super().__init__()
         self.poison = poison
-        self.model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 2))
+        self.last = torch.nn.Linear(3, 2)
+        self.model = torch.nn.Sequential(torch.nn.Linear(3, 3), self.last)
 
     def forward(self, batch: TrainingBatch, **options: Any) -> ForwardResult:
         return ForwardResult(logprobs=torch.zeros(batch.loss_mask.shape))
@@ -44,7 +47,7 @@ class NaNWorker:
         loss = float(loss_fn(zeros, batch, *extra))
         if self.poison == "weight":
             with torch.no_grad():
-                self.model[1].bias[1] = math.nan
+                self.last.bias[1] = math.nan
         return TrainStepResult(
             loss=math.nan if self.poison == "loss" else loss,
             grad_norm=math.inf if self.poison == "grad_norm" else 0.5,
@@ -72,7 +75,7 @@ def _cfg(tmp_path: Path) -> Any:
 
 def _trainer(tmp_path: Path, poison: str | None) -> PolicyTrainer:
     trainer = PolicyTrainer(_cfg(tmp_path), checkpoint=str(tmp_path), pad_token_id=0)
-    trainer.worker = NaNWorker(poison)  # type: ignore[assignment]
+    trainer.worker = check_stand_in(NaNWorker(poison))
     return trainer
 
 

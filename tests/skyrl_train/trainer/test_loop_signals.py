@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import torch
+from _stand_in_worker import StandInWorker, check_stand_in
 
 from skyrl_train.config.compose import load_config
 from skyrl_train.dataset.batch import TrainingBatch
@@ -21,7 +22,7 @@ from skyrl_train.trainer import loop as loop_module
 from skyrl_train.trainer.loop import LINE_KEYS, GRPOLoop
 from skyrl_train.trainer.policy import PolicyTrainer
 from skyrl_train.utils.tracking import read_metrics
-from skyrl_train.workers.megatron.worker import ForwardResult, TrainStepResult
+from skyrl_train.workers.base import ForwardResult, TrainStepResult
 
 N_SAMPLES, PROMPTS = 2, 2
 SIGNALS = (
@@ -33,11 +34,11 @@ SIGNALS = (
 )
 
 
-class ConstantWorker:
+class ConstantWorker(StandInWorker):
     """Logprobs -1 everywhere, entropy 0.5 on every response position."""
 
     def __init__(self) -> None:
-        self.model = torch.nn.Linear(1, 1)
+        super().__init__()
         self.advantages: list[torch.Tensor] = []
 
     def forward(self, batch: TrainingBatch, *, entropy: bool = False, **options: Any) -> Any:
@@ -115,7 +116,7 @@ def _run(
     )
     trainer = PolicyTrainer(cfg, checkpoint=str(tmp_path), pad_token_id=0)
     worker = ConstantWorker()
-    trainer.worker = worker  # type: ignore[assignment]
+    trainer.worker = check_stand_in(worker)
     loop = GRPOLoop(
         cfg,
         tokenizer=None,

@@ -1,11 +1,11 @@
-"""PolicyTrainer's updates on a stand-in worker that keeps MegatronPolicyWorker's
+"""PolicyTrainer's updates on a stand-in worker that keeps the PolicyWorker's
 train_step contract: the logged ``train/policy_loss`` is the mini-batch token mean and
 the gradient that of the token mean, however a mini-batch is cut into microbatches,
 for both loss types; the old-logprob forward's entropy is logged over loss tokens."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -13,18 +13,19 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from _stand_in_worker import StandInWorker, check_stand_in
 
 from skyrl_train.algorithms import gspo_policy_loss, kl_penalty, ppo_policy_loss, token_mean_entropy
 from skyrl_train.config.compose import load_config
 from skyrl_train.dataset.batch import TrainingBatch, slice_batch
 from skyrl_train.trainer.policy import PolicyTrainer
-from skyrl_train.workers.megatron.worker import ForwardResult, TrainStepResult
+from skyrl_train.workers.base import ForwardResult, TrainStepResult
 
 PROMPTS, N_SAMPLES, MINI_PROMPTS, WIDTH = 8, 2, 4, 5
 ROWS = PROMPTS * N_SAMPLES
 
 
-class TableWorker:
+class TableWorker(StandInWorker):
     """Logprobs are a learnable table indexed by row id (``sequences[:, 0]``).
 
     ``train_step`` does what the real worker's does: microbatches of
@@ -34,9 +35,9 @@ class TableWorker:
     """
 
     def __init__(self, current: torch.Tensor, old: torch.Tensor) -> None:
+        super().__init__()
         self.table = current.clone().requires_grad_()
         self.old = old
-        self.model = torch.nn.Linear(1, 1)
         self.grads: list[torch.Tensor] = []
 
     def forward(self, batch: TrainingBatch, *, entropy: bool = False, **options: Any) -> Any:
@@ -121,7 +122,7 @@ def test_logged_loss_is_the_mini_batch_token_mean(
     current = old + torch.randn(ROWS, WIDTH, generator=generator) * 0.3  # some tokens clip
     trainer = PolicyTrainer(cfg, checkpoint=str(tmp_path), pad_token_id=0)
     worker = TableWorker(current, old)
-    trainer.worker = worker  # type: ignore[assignment]
+    trainer.worker = check_stand_in(worker)
     batch = _batch(generator)
 
     metrics = trainer.train(batch, step=1)
@@ -157,7 +158,7 @@ class RegularizedWorker(TableWorker):
     the table: entropy = -logprob, so its gradient is known."""
 
     @contextmanager
-    def swapped_weights(self, weights: dict[str, torch.Tensor]) -> Iterator[None]:
+    def swapped_weights(self, weights: Mapping[str, torch.Tensor]) -> Iterator[None]:
         own, self.old = self.old, weights["table"]
         try:
             yield
@@ -195,7 +196,7 @@ def test_kl_and_entropy_terms_join_the_token_mean_loss(tmp_path: Path) -> None:
     ref = old + torch.randn(ROWS, WIDTH, generator=generator) * 0.5
     trainer = PolicyTrainer(cfg, checkpoint=str(tmp_path), pad_token_id=0)
     worker = RegularizedWorker(current, old)
-    trainer.worker = worker  # type: ignore[assignment]
+    trainer.worker = check_stand_in(worker)
     trainer.reference = {"table": ref}
     batch = _batch(generator)
 
@@ -247,6 +248,6 @@ def test_entropy_loss_without_the_workers_entropy_fails_loudly(tmp_path: Path) -
     generator = torch.Generator().manual_seed(3)
     old = -torch.rand(ROWS, WIDTH, generator=generator)
     trainer = PolicyTrainer(cfg, checkpoint=str(tmp_path), pad_token_id=0)
-    trainer.worker = TableWorker(old, old)  # type: ignore[assignment]
+    trainer.worker = check_stand_in(TableWorker(old, old))
     with pytest.raises(ValueError, match="use_entropy_loss, got None"):
         trainer.train(_batch(generator), step=1)

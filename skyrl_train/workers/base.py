@@ -1,0 +1,206 @@
+"""What the trainer asks of one rank's policy worker, whatever the backend runs it.
+
+``PolicyWorker`` is the contract between ``trainer/policy.py`` (one trainer rank) and a
+backend (today ``workers/megatron``, built by ``workers/factory.py``): every call the
+trainer makes on its worker, and nothing else. The result types are plain dataclasses
+of CPU tensors and floats. Importing this module loads no backend.
+
+Gradient contract (``train_step``); how the three factors of the loss normalisation
+make every step a token mean over the global mini-batch is written out once, in
+``algorithms/token_mean.py``, and this is the worker's side of it:
+
+- One call is one optimizer step over the rank's shard ``batch``: gradients are zeroed,
+  then every microbatch runs forward and backward. Microbatches are consecutive slices
+  of ``micro_batch_size`` rows, the last one shorter when the rows do not divide
+  (``token_mean.num_microbatches`` of them), none splitting a row.
+- The microbatches' gradients accumulate as their mean (each loss times
+  1 / microbatches), and ``TrainStepResult.loss`` is the mean of the microbatch losses.
+- Each gradient is then summed over its data-parallel group (for an expert
+  parameter, the expert-data-parallel one: the ranks holding the same experts) and
+  divided by the dense data-parallel size ``dp_size``, experts included, as
+  Megatron's DDP scales them. Gradients of weights that tensor-parallel ranks hold
+  whole but feed from their own shard of the data (sequence-parallel norms and
+  routers, q/k norms) are summed over the tensor-parallel group first.
+- ``TrainStepResult.grad_norm`` is the global L2 norm before clipping, over every
+  shard of the model (tensor, expert and pipeline parallel), equal on every rank.
+  Gradients are scaled down to ``trainer.policy.optimizer_config.max_grad_norm`` when
+  the norm is above it.
+- The optimizer steps once per call, and only when the norm is finite: a NaN or inf
+  norm leaves the weights as they were and the trainer stops the run on the reported
+  norm (``trainer/finite.py``). The step's learning rate (``TrainStepResult.lr``)
+  follows the warm-up from the optimizer's own step count, so a resumed run goes on
+  where it stopped; ``scheduled_lr`` is the rate the next step would use.
+
+Route contract (``forward`` and ``train_step``):
+
+- Routes are ``[B, S, L_moe, K]`` integer expert ids aligned column for column with
+  ``batch.sequences`` (``S = P + R``, the left-padded prompt then the response), one
+  layer per MoE layer of the whole model (``architecture.moe_layers``, every pipeline
+  stage's), ``K`` the router's top-k.
+- ``replay_routes=True`` replays ``batch.routed_experts`` at every position of every
+  row: prompt and observation tokens too (the loss mask does not select them), and
+  padding or uncaptured positions, which hold ``inference.wire.route_filler``
+  (``arange(K)``) and are True in ``batch.router_padding_mask``. Only the discrete
+  selection is replayed: the routing weights are the live router's scores at the
+  replayed ids, so the router still gets gradients. The whole batch's routes are
+  validated before any microbatch runs (shape against the model, ids in
+  ``[0, num_experts)``, ``K`` distinct ids per position), a bad one refused with
+  ``RouteReplayError``.
+- ``capture_routes=True`` returns what each router dispatched in the forward (never a
+  backward recompute) in the same layout, ids ascending, padding positions
+  ``arange(K)``.
+- R3 and R2 are the trainer's choice, not the worker's: under R3
+  (``routing_replay_source=rollout``) the trainer replays the rollout's routes in the
+  old-logprob forward and every update; under R2 (``old_policy``) it captures the
+  old-logprob forward's own routes (native routing), puts them on the batch with only
+  the padding columns masked, and replays them in every update. The worker replays
+  whatever routes the batch carries (docs/r3-and-pipeline.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from inference.models.architecture import MoEArchitecture
+from skyrl_train.algorithms.mismatch import RouterAgreement
+from skyrl_train.dataset.batch import TrainingBatch
+from skyrl_train.runs.reshard import Checkpointable
+
+LossFn = Callable[[torch.Tensor, TrainingBatch], torch.Tensor]
+"""``loss_fn(logprobs [b, R], microbatch) -> scalar``."""
+EntropyLossFn = Callable[[torch.Tensor, TrainingBatch, torch.Tensor], torch.Tensor]
+"""``loss_fn(logprobs [b, R], microbatch, entropy [b, R]) -> scalar`` (``entropy=True``)."""
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    """Where a trainer rank sits in its backend's parallel groups, read after setup."""
+
+    rank: int
+    world_size: int
+    dp_rank: int
+    dp_size: int
+    ep_size: int
+    pp_rank: int = 0
+    pp_size: int = 1
+    tp_size: int = 1
+
+    @property
+    def is_last_stage(self) -> bool:
+        """The pipeline stage whose loss function ran: its metrics are the complete ones
+        (clip fraction and TIS weights are counted inside the loss)."""
+        return self.pp_rank == self.pp_size - 1
+
+
+@dataclass
+class ForwardResult:
+    logprobs: torch.Tensor
+    """[B, R] fp32 response-token logprobs, 0 where response_mask is 0."""
+    routes: torch.Tensor | None = None
+    """[B, S, L_moe, K] experts each router of the model dispatched to (ascending ids), in
+    the batch's own layout; only when ``capture_routes=True``. Padding rows are arange(K)."""
+    entropy: torch.Tensor | None = None
+    """[B, R] fp32 entropy (nats) of the model's full next-token distribution at each
+    response position, 0 where response_mask is 0; only when ``entropy=True``."""
+
+
+@dataclass
+class TrainStepResult:
+    loss: float
+    """Mean of the microbatch losses."""
+    grad_norm: float
+    """Global gradient norm before clipping."""
+    num_microbatches: int
+    replayed: bool
+    lr: float
+    """The learning rate this step used (warmup included)."""
+    routes: torch.Tensor | None = None
+    """[B, S, L_moe, K] experts each router of the model dispatched to in the update's
+    forward (as ``ForwardResult.routes``); only when ``capture_routes=True``."""
+
+
+@runtime_checkable
+class PolicyWorker(Checkpointable, Protocol):
+    """One trainer rank's policy model: the calls ``PolicyTrainer`` makes, with the
+    gradient and route contracts of this module's docstring. Built and set up by
+    ``workers.factory.build_worker``; ``checkpoint_state`` and ``load_checkpoint_state``
+    (``runs.reshard.Checkpointable``) are the rank's checkpoint.
+
+    With experts, layers or tensors sharded over ranks, ``forward``, ``train_step`` and
+    ``export_weights`` are collectives: every rank of those groups calls them in
+    lockstep."""
+
+    @property
+    def architecture(self) -> MoEArchitecture:
+        """The checkpoint's architecture (its family names the engine's weight layout)."""
+        ...
+
+    def rank_info(self) -> RankInfo:
+        """This rank's place in the parallel groups (after setup)."""
+        ...
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Load HF-named tensors in the engine's layout; returns how many."""
+        ...
+
+    def named_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """This rank's parameters (its shards), as the model names them."""
+        ...
+
+    def parameter_snapshot(self) -> dict[str, torch.Tensor]:
+        """A detached copy of ``named_parameters``, for ``swapped_weights``."""
+        ...
+
+    def swapped_weights(self, weights: Mapping[str, torch.Tensor]) -> AbstractContextManager[None]:
+        """Run the model on ``weights`` (a ``parameter_snapshot``) inside the block, its
+        own weights back on exit (an exception included); routing and replay unchanged."""
+        ...
+
+    def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The whole model's weights in the engine's HF layout, one tensor at a time."""
+        ...
+
+    def forward(
+        self,
+        batch: TrainingBatch,
+        *,
+        micro_batch_size: int | None = None,
+        replay_routes: bool | None = None,
+        capture_routes: bool = False,
+        entropy: bool = False,
+        temperature: float | None = None,
+    ) -> ForwardResult:
+        """Response logprobs without gradient, microbatch by microbatch.
+        ``temperature``: None scores under the rollout sampler's; 1.0 with a batch
+        without ``sample_support`` gives the raw logits' logprobs."""
+        ...
+
+    def rollout_router_agreement(
+        self, batch: TrainingBatch, routes: torch.Tensor
+    ) -> RouterAgreement:
+        """Agreement of ``routes`` (every MoE layer) with ``batch.routed_experts`` over
+        real rows the rollout captured (``router_padding_mask`` False)."""
+        ...
+
+    def train_step(
+        self,
+        batch: TrainingBatch,
+        *,
+        loss_fn: LossFn | EntropyLossFn,
+        micro_batch_size: int,
+        replay_routes: bool | None = None,
+        entropy: bool = False,
+        capture_routes: bool = False,
+    ) -> TrainStepResult:
+        """One optimizer step over ``batch`` (the gradient contract above); with
+        ``entropy=True`` ``loss_fn`` also gets the differentiable entropy ``[b, R]``."""
+        ...
+
+    def scheduled_lr(self) -> float:
+        """The learning rate the next optimizer step uses (warm-up included)."""
+        ...
