@@ -2,8 +2,9 @@
 ``PolicyWorker``).
 
 Called inside the trainer actor (``PolicyTrainer.setup``), which imports this module
-there and not at its own import: the backend's package (megatron-core and its
-process-wide warning filters) loads only in the rank processes, never in the driver
+there and not at its own import: the backend's package (the Megatron worker's modules,
+their process-wide warning filters, and megatron-core once a worker is built) loads
+only in the rank processes, never in the driver
 (``tests/skyrl_train/trainer/test_driver_imports.py``). Megatron is the one backend.
 """
 
