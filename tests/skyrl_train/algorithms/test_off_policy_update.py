@@ -25,18 +25,20 @@ import torch
 from skyrl_train.config.compose import load_config
 from skyrl_train.dataset.batch import TrainingBatch, slice_batch
 from skyrl_train.trainer.policy import PolicyTrainer
-from skyrl_train.workers.megatron.worker import ForwardResult, TrainStepResult
+from skyrl_train.workers.base import ForwardResult, TrainStepResult
+from tests.skyrl_train.trainer._stand_in_worker import StandInWorker as PolicyWorkerStandIn
+from tests.skyrl_train.trainer._stand_in_worker import check_stand_in
 
 WIDTH = 4
 OLD = torch.full((2, WIDTH), -1.0)
 
 
-class StandInWorker:
+class StandInWorker(PolicyWorkerStandIn):
     """Logprobs equal the old ones (PPO ratio 1); records how many microbatches ran."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.table = OLD.clone().requires_grad_()
-        self.model = torch.nn.Linear(1, 1)
         self.microbatches = 0
 
     def forward(self, batch: TrainingBatch, **options: Any) -> Any:
@@ -98,7 +100,7 @@ def _train(tmp_path: Path, overrides: list[str]) -> tuple[dict[str, float], Stan
     )
     trainer = PolicyTrainer(cfg, checkpoint=str(tmp_path), pad_token_id=0)
     worker = StandInWorker()
-    trainer.worker = worker  # type: ignore[assignment]
+    trainer.worker = check_stand_in(worker)
     return trainer.train(_batch(), step=1), worker
 
 
