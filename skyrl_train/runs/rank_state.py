@@ -101,17 +101,13 @@ def _refuse_save(path: Path, where: str, value: Any) -> NoReturn:
 # --------------------------------------------------------------------------- loading
 
 
-def load_rank_state(
-    folder: Path, *, rank: int, world_size: int, layout: dict[str, int | None] | None = None
-) -> dict[str, Any]:
-    """Rank ``rank``'s saved state, read with ``torch.load(weights_only=True)``.
+def read_rank_file(folder: Path, rank: int, *, mmap: bool = False) -> dict[str, Any]:
+    """Rank ``rank``'s file of ``folder`` as a dict, read with
+    ``torch.load(weights_only=True)`` (``mmap``: tensors mapped, read when used).
 
-    Refuses (``CheckpointError`` naming the file) a file holding pickled objects,
-    which loading would run, telling a format-1 file (numpy objects) apart so the
-    message names the conversion script; a file of another format version; a
-    checkpoint taken at another world size (its expert shards and data order would
-    not line up with this run's ranks) or, given this run's ``layout``
-    (``trainer.policy.megatron_config`` sizes), another pipeline or expert layout.
+    Refuses, with a ``CheckpointError`` naming the file: a missing file, one holding
+    pickled objects (a format-1 file named as such, with the conversion script), one
+    torch cannot read, one that is not a dict, and one of another format version.
     """
     path = checkpoint_file(folder, rank)
     if not path.is_file():
@@ -119,7 +115,7 @@ def load_rank_state(
             RESUME_KEY, path, expected="one file per trainer rank", got="no such file"
         )
     try:
-        state = read_plain(path)
+        state = read_plain(path, mmap=mmap)
     except pickle.UnpicklingError as exc:
         # Not chained: torch's message advises re-running with weights_only=False,
         # the unsafe load this refusal exists to prevent.
@@ -143,6 +139,22 @@ def load_rank_state(
             expected=f"{RANK_FORMAT_KEY} {RANK_FORMAT_VERSION}",
             got=f"{RANK_FORMAT_KEY} {version!r}",
         )
+    return state
+
+
+def load_rank_state(
+    folder: Path, *, rank: int, world_size: int, layout: dict[str, int | None] | None = None
+) -> dict[str, Any]:
+    """Rank ``rank``'s saved state, read with ``torch.load(weights_only=True)``.
+
+    Refuses (``CheckpointError`` naming the file) a file holding pickled objects,
+    which loading would run, telling a format-1 file (numpy objects) apart so the
+    message names the conversion script; a file of another format version; a
+    checkpoint taken at another world size (its expert shards and data order would
+    not line up with this run's ranks) or, given this run's ``layout``
+    (``trainer.policy.megatron_config`` sizes), another pipeline or expert layout.
+    """
+    state = read_rank_file(folder, rank)
     saved = state.get("world_size")
     if saved != world_size:
         raise ConfigValidationError(

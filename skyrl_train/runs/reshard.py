@@ -37,7 +37,7 @@ import torch
 
 from skyrl_train.errors import CheckpointError
 from skyrl_train.runs.checkpoint import RESUME_KEY
-from skyrl_train.runs.rank_state import LAYOUT_DEFAULTS, RngState, checkpoint_file, read_plain
+from skyrl_train.runs.rank_state import LAYOUT_DEFAULTS, RngState, checkpoint_file, read_rank_file
 from skyrl_train.utils.shards import cut_shard, join_shards
 
 PLACEMENT_KEY = "placement"
@@ -92,8 +92,7 @@ class SavedLayout:
 def saved_layout(folder: Path) -> SavedLayout:
     """The world size and layout rank 0's file of ``folder`` was written under (its
     tensors are mapped, not read)."""
-    path = checkpoint_file(folder, 0)
-    state = _read(path)
+    state = read_rank_file(folder, 0, mmap=True)
     layout = state.get("layout")
     return SavedLayout(
         world_size=state.get("world_size"),
@@ -134,7 +133,7 @@ def load_resharded(
     without placement records, a parameter no file holds, shards that do not tile it.
     Nothing is loaded until every tensor of this rank was assembled.
     """
-    states = [_read(checkpoint_file(folder, old)) for old in range(saved_world_size)]
+    states = [read_rank_file(folder, old, mmap=True) for old in range(saved_world_size)]
     pieces = _index(folder, states)
     current = worker.checkpoint_state()
     own = current["model"]
@@ -206,23 +205,6 @@ class _Piece:
     placement: Placement
     model: Mapping[str, torch.Tensor]
     optimizer: Mapping[str, Any]
-
-
-def _read(path: Path) -> dict[str, Any]:
-    try:
-        state = read_plain(path, mmap=True)
-    except Exception as exc:
-        raise CheckpointError(
-            RESUME_KEY,
-            path,
-            expected="a rank file torch.load(weights_only=True) reads",
-            got=f"{type(exc).__name__}: {exc}",
-        ) from None
-    if not isinstance(state, dict):
-        raise CheckpointError(
-            RESUME_KEY, path, expected="a dict of rank state", got=type(state).__name__
-        )
-    return state
 
 
 def _index(folder: Path, states: list[dict[str, Any]]) -> dict[str, list[_Piece]]:

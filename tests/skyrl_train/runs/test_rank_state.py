@@ -20,9 +20,9 @@ import torch
 
 from inference.models.tiny_moe import TinyMoEConfig
 from skyrl_train.config.compose import load_config
+from skyrl_train.config.schema import OptimizerConfig
 from skyrl_train.errors import CheckpointError
 from skyrl_train.runs.checkpoint import DRIVER_FILE, begin_save, commit_save, verify_checkpoint
-from skyrl_train.trainer.policy import PolicyTrainer
 from skyrl_train.runs.rank_state import (
     CONVERT_SCRIPT,
     RANK_FORMAT_KEY,
@@ -34,8 +34,9 @@ from skyrl_train.runs.rank_state import (
     rng_state,
     save_rank_state,
 )
+from skyrl_train.runs.reshard import saved_layout
+from skyrl_train.trainer.policy import PolicyTrainer
 from skyrl_train.utils.durable import write_file
-from skyrl_train.config.schema import OptimizerConfig
 from skyrl_train.workers.megatron import MegatronPolicyWorker
 
 REPO = Path(__file__).resolve().parents[3]
@@ -114,6 +115,11 @@ def test_a_format_1_rank_file_is_refused_naming_the_conversion_script(tmp_path: 
     assert err.expected.startswith(f"a rank file of format {RANK_FORMAT_VERSION} ")
     assert err.got.startswith(f"a format-1 rank file (no {RANK_FORMAT_KEY}; numpy's RNG state")
     assert f"python {CONVERT_SCRIPT} --checkpoint {final}" in str(err)
+    # Resharding reads every rank file through the same reader: the same refusal, not
+    # torch's advice to load with weights_only=False.
+    with pytest.raises(CheckpointError) as info:
+        saved_layout(final)
+    assert info.value.got == err.got and "weights_only=False" not in str(info.value)
     assert _digests(final) == before
     assert set(torch.serialization.get_safe_globals()) == registered
 
