@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import stat
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -92,15 +93,20 @@ def check_run_dir_path(run_dir: str) -> None:
     never create the folder (``mkdir`` raised a bare FileExistsError after the checks)."""
     path = Path(run_dir)
     for folder in (path, *path.parents):
-        if folder.is_dir():
-            return
-        if folder.exists() or folder.is_symlink():
-            what = "the path" if folder == path else f"{str(folder)!r}, above it,"
-            raise ConfigValidationError(
-                "trainer.run_dir",
-                expected="a folder, or a path where one can be made",
-                got=f"{run_dir!r}: {what} is a file",
-            )
+        # One stat decides: a launch started beside this one may create the folder
+        # between two checks (is_dir, then exists), and it then looked like a file.
+        try:
+            if stat.S_ISDIR(folder.stat().st_mode):
+                return
+        except (FileNotFoundError, NotADirectoryError):  # absent, or under a file
+            if not folder.is_symlink():  # a link to nothing counts as a file
+                continue
+        what = "the path" if folder == path else f"{str(folder)!r}, above it,"
+        raise ConfigValidationError(
+            "trainer.run_dir",
+            expected="a folder, or a path where one can be made",
+            got=f"{run_dir!r}: {what} is a file",
+        )
 
 
 def check_run_dir(trainer: TrainerConfig) -> None:

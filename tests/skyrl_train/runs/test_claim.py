@@ -21,7 +21,7 @@ from skyrl_train.errors import ConfigValidationError
 from skyrl_train.runs.checkpoint import DRIVER_FILE, begin_save, commit_save
 from skyrl_train.runs.claim import LOCK_FILE, hold_run_dir
 from skyrl_train.runs.export import FORMAT, MARKER_FILE, list_exports
-from skyrl_train.runs.folder import resolve_resume
+from skyrl_train.runs.folder import check_run_dir_path, resolve_resume
 from skyrl_train.utils.durable import write_file
 from skyrl_train.utils.tracking import MetricsTracker, read_metrics
 
@@ -187,6 +187,30 @@ def test_a_run_dir_that_is_a_file_is_refused_at_validation(
         assert info.value.path == "trainer.run_dir"
         assert str(info.value).endswith(f"got {str(run_dir)!r}: {what}")
     assert (tmp_path / "taken").read_text() == "a file\n"
+
+
+def test_a_folder_made_by_another_launch_while_checked_is_not_a_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The two-launches test above lost this race once on 2 busy cores: the other
+    # launch made the folder between two checks of the path (is_dir, then exists).
+    run_dir = tmp_path / "run"
+    real_is_dir = Path.is_dir
+
+    def made_right_after(self: Path) -> bool:
+        answer = real_is_dir(self)
+        if self == run_dir:
+            run_dir.mkdir(exist_ok=True)  # the other launch, just after this check
+        return answer
+
+    monkeypatch.setattr(Path, "is_dir", made_right_after)
+    check_run_dir_path(str(run_dir))  # a folder, or a path where one can be made
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ConfigValidationError, match="the path is a file"):
+        check_run_dir_path(str(tmp_path / "file"))
+    (tmp_path / "nowhere").symlink_to(tmp_path / "missing")
+    with pytest.raises(ConfigValidationError, match="the path is a file"):
+        check_run_dir_path(str(tmp_path / "nowhere"))
 
 
 # ------------------------------------------------------------------------------ branches
