@@ -38,6 +38,7 @@ from skyrl_train.runs.reshard import saved_layout
 from skyrl_train.trainer.policy import PolicyTrainer
 from skyrl_train.utils.durable import write_file
 from skyrl_train.workers.megatron import MegatronPolicyWorker
+from tests.skyrl_train.runs._state_checks import assert_same_optimizer_state
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -243,14 +244,7 @@ def _assert_same_state(trained: PolicyTrainer, fresh: PolicyTrainer) -> None:
             assert torch.equal(value, got[name]) and value.dtype == got[name].dtype, name
         else:
             assert value == got[name], name
-    assert trained.worker.optimizer is not None and fresh.worker.optimizer is not None
-    want_opt, got_opt = trained.worker.optimizer.state_dict(), fresh.worker.optimizer.state_dict()
-    assert want_opt["param_groups"] == got_opt["param_groups"]
-    assert want_opt["state"].keys() == got_opt["state"].keys() and want_opt["state"]
-    for index, fields in want_opt["state"].items():
-        assert fields.keys() == got_opt["state"][index].keys()
-        for field, value in fields.items():
-            assert torch.equal(value, got_opt["state"][index][field]), (index, field)
+    assert_same_optimizer_state(trained, fresh)
 
 
 def test_save_and_resume_restore_model_optimizer_and_rng_exactly(

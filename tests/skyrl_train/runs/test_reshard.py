@@ -29,6 +29,7 @@ from skyrl_train.runs.reshard import PLACEMENT_KEY, saved_layout
 from skyrl_train.trainer.policy import PolicyTrainer
 from skyrl_train.utils.durable import write_file
 from skyrl_train.workers.megatron import MegatronPolicyWorker
+from tests.skyrl_train.runs._state_checks import assert_same_optimizer_state
 
 
 def _trainer(tmp_path: Path) -> PolicyTrainer:
@@ -98,14 +99,7 @@ def _assert_same_state(trained: PolicyTrainer, fresh: PolicyTrainer) -> None:
     got = dict(fresh.worker.model.named_parameters())
     assert want.keys() == got.keys()
     assert all(torch.equal(want[n], got[n]) for n in want)
-    assert trained.worker.optimizer is not None and fresh.worker.optimizer is not None
-    want_opt, got_opt = trained.worker.optimizer.state_dict(), fresh.worker.optimizer.state_dict()
-    assert want_opt["param_groups"] == got_opt["param_groups"]
-    assert want_opt["state"].keys() == got_opt["state"].keys() and want_opt["state"]
-    for index, fields in want_opt["state"].items():
-        assert fields.keys() == got_opt["state"][index].keys()
-        for field, value in fields.items():
-            assert torch.equal(value, got_opt["state"][index][field]), (index, field)
+    assert_same_optimizer_state(trained, fresh)
 
 
 def test_two_data_parallel_ranks_resume_on_one(
