@@ -119,10 +119,9 @@ def test_two_tensor_parallel_ranks_train_with_every_route_replayed(tensor_parall
     assert tensor_parallel.after_reload == tensor_parallel.after
 
 
-def test_the_first_step_is_the_one_rank_step(
-    tensor_parallel: Run, one_rank: tuple[dict[str, float], Path]
-) -> None:
-    first, single = tensor_parallel.history[0], one_rank[0]
+def assert_the_one_rank_step(first: dict[str, float], single: dict[str, float]) -> None:
+    """A layout's first step is the one-rank run's: the same rollouts, and its loss,
+    norms, entropy, mismatch and router figures within 1e-5 relative."""
     assert first["reward/mean"] == single["reward/mean"]  # the same rollouts
     for key in (
         "train/policy_loss",
@@ -133,6 +132,12 @@ def test_the_first_step_is_the_one_rank_step(
         "r3/num_token_layers",
     ):
         assert first[key] == pytest.approx(single[key], rel=1e-5, abs=1e-6), key
+
+
+def test_the_first_step_is_the_one_rank_step(
+    tensor_parallel: Run, one_rank: tuple[dict[str, float], Path]
+) -> None:
+    assert_the_one_rank_step(tensor_parallel.history[0], one_rank[0])
 
 
 def _weights(folder: Path) -> dict[str, torch.Tensor]:
@@ -204,17 +209,7 @@ def test_tensor_x_expert_parallel_trains_with_every_route_replayed_as_one_rank(
         assert metrics["r3/router_agreement_trained"] == 1.0
         assert metrics["served_weights/median_abs_logp_diff"] <= 1e-4, metrics
     assert run.before != run.after
-    first, single = run.history[0], one_rank[0]
-    assert first["reward/mean"] == single["reward/mean"]
-    for key in (
-        "train/policy_loss",
-        "train/grad_norm",
-        "policy/entropy",
-        "mismatch_trained/mean_abs_logp_diff",
-        "r3/router_agreement_native",
-        "r3/num_token_layers",
-    ):
-        assert first[key] == pytest.approx(single[key], rel=1e-5, abs=1e-6), key
+    assert_the_one_rank_step(run.history[0], one_rank[0])
     # The export gathers experts over EP (not TP): whole tensors, the one rank's update.
     step = Path("exports") / "global_step_1"
     sharded = _weights(Path(run.cfg.trainer.run_dir) / step)
