@@ -245,6 +245,30 @@ class MegatronConfig:
     """Passed through to megatron-core's ``TransformerConfig``; keys must be its fields."""
 
 
+STRATEGIES = ("megatron", "fsdp")
+"""``trainer.strategy``: the trainer backend (SkyRL's key and values)."""
+
+
+@dataclass
+class FSDPConfig:
+    """The FSDP backend's node (``trainer.strategy=fsdp``): PyTorch FSDP2's
+    ``fully_shard`` over transformers' own model classes, one shard group of all the
+    trainer ranks (data parallel only)."""
+
+    reshard_after_forward: bool = True
+    """Free each layer's gathered weights after its forward and gather them again for
+    the backward (FSDP2's default: less memory, one more all-gather per layer)."""
+    param_dtype: str = setting("float32", choices=("float32", "bfloat16"))
+    """The dtype layers compute in; the master weights and AdamW stay fp32. fp32 by
+    default: bf16 matmuls on CPU are slower than fp32 ones, and replay's
+    log-prob checks want fp32."""
+    reduce_dtype: str = setting("float32", choices=("float32", "bfloat16"))
+    """The dtype gradients are reduced in across ranks."""
+    activation_checkpointing: bool = False
+    """Recompute each decoder layer's activations in the backward instead of keeping
+    them (less memory, about one more forward of compute)."""
+
+
 @dataclass
 class OptimizerConfig:
     lr: float = setting(1e-3, gt=0.0)
@@ -262,6 +286,7 @@ class OptimizerConfig:
 class PolicyConfig:
     optimizer_config: OptimizerConfig = field(default_factory=OptimizerConfig)
     megatron_config: MegatronConfig = field(default_factory=MegatronConfig)
+    fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
 
 
 @dataclass
@@ -439,6 +464,11 @@ class FullyAsyncConfig:
 
 @dataclass
 class TrainerConfig:
+    strategy: str = setting("megatron", choices=STRATEGIES)
+    """The trainer backend: ``megatron`` (megatron-core, every parallel layout in
+    docs/parallel-layouts.md) or ``fsdp`` (FSDP2 over transformers' model classes,
+    data parallel only). Each has its own node under ``trainer.policy``
+    (``megatron_config``, ``fsdp_config``); a key of the other backend's is refused."""
     seed: int = 0
     num_steps: int = setting(150, ge=1)
     train_batch_size: int = setting(8, ge=1)
