@@ -1,0 +1,410 @@
+"""The FSDP2 policy worker: transformers' own model class, ``fully_shard`` per decoder
+layer over the data-parallel ranks, routing replay by hooks on each MoE layer's gate.
+
+The same contracts as the Megatron worker (``workers/base.py``): consecutive
+microbatches, each loss times 1/microbatches, gradients averaged over the ranks
+(FSDP2's reduce-scatter averages: sum over DP / dp_size), the global norm before
+clipping, AdamW and its warm-up from ``algorithms/optim.py``, the batch re-laid out
+contiguous from position 0 and scored under the rollout sampler
+(``workers/batch_layout.py``, ``algorithms/sampler_replay.py``). Every forward is a
+collective under FSDP (each layer all-gathers its weights), so every rank runs the same
+number of microbatches: the trainer gives every data-parallel rank the same row count.
+
+Nothing here imports megatron: an FSDP user may not have megatron-core working.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from inference.models.architecture import MoEArchitecture
+from skyrl_train.algorithms import optim
+from skyrl_train.algorithms.mismatch import RouterAgreement, router_agreement
+from skyrl_train.algorithms.sampler_replay import SamplerReplay
+from skyrl_train.config.constraints import check_constraints
+from skyrl_train.config.schema import FSDPConfig, OptimizerConfig
+from skyrl_train.dataset.batch import TrainingBatch, batch_to, slice_batch
+from skyrl_train.errors import ConfigValidationError, RouteReplayError
+from skyrl_train.workers import routes as route_checks
+from skyrl_train.workers.base import (
+    EntropyLossFn,
+    ForwardResult,
+    LossFn,
+    RankInfo,
+    TrainStepResult,
+)
+from skyrl_train.workers.batch_layout import (
+    ContiguousBatch,
+    make_contiguous,
+    response_logprobs,
+    response_logprobs_and_entropy,
+    route_filler_tensor,
+    shift_rows,
+)
+from skyrl_train.workers.fsdp import state
+from skyrl_train.workers.fsdp.model import (
+    FSDP_CONFIG_KEY,
+    build_hf_model,
+    device_type,
+    shard_model,
+)
+
+ROUTING_REPLAY_KEY = "trainer.policy.routing_replay.enabled"
+"""The key a replay requested with ``routing_replay=False`` is refused naming."""
+
+
+class FSDPPolicyWorker:
+    """One rank's policy model, the FSDP backend's ``workers.base.PolicyWorker``. Build
+    with the checkpoint folder, its architecture and the ``trainer.policy.fsdp_config``
+    node, then ``setup()``. Routes are ``[B, S, L_moe, K]``."""
+
+    def __init__(
+        self,
+        checkpoint: str | Path,
+        architecture: MoEArchitecture,
+        fsdp_config: FSDPConfig,
+        *,
+        optimizer: OptimizerConfig | None = None,
+        seed: int = 0,
+        pad_token_id: int = 0,
+        temperature: float = 1.0,
+        routing_replay: bool = True,
+    ) -> None:
+        # A node built in Python skipped Hydra and validate_cfg: refuse a bad one here.
+        check_constraints(fsdp_config, prefix=FSDP_CONFIG_KEY)
+        self.checkpoint = Path(checkpoint)
+        self.architecture = architecture
+        self.fsdp_config = fsdp_config
+        self.optimizer_config = optimizer if optimizer is not None else OptimizerConfig()
+        """``trainer.policy.optimizer_config``; a ``max_grad_norm`` <= 0 (tests only: the
+        schema wants > 0) disables clipping."""
+        self.seed = seed
+        self.pad_token_id = pad_token_id
+        self.temperature = temperature
+        """The rollout sampler's temperature (as the Megatron worker's)."""
+        self.routing_replay = routing_replay
+        """``trainer.policy.routing_replay.enabled``: replay is allowed (and the default
+        when a batch carries routes)."""
+        self.model: Any = None
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.gates: Any = None
+        self.device = torch.device("cpu")
+        self.sharded = False
+        self.model_class = ""
+
+    # ---- setup -----------------------------------------------------------------
+
+    def setup(self) -> FSDPPolicyWorker:
+        """Build the model from the checkpoint's config, shard it over the process
+        group's ranks (when there is one), hook the gates and build the optimizer."""
+        from skyrl_train.workers.fsdp.replay import GateReplay
+
+        model = build_hf_model(self.checkpoint, seed=self.seed)
+        if device_type() == "cuda":
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        model.to(self.device)
+        # fully_shard swaps the class for an FSDP subclass; messages name the model's own.
+        self.model_class = type(model).__name__
+        self.sharded = shard_model(model, self.fsdp_config) is not None
+        self.gates = GateReplay(model, self.architecture)
+        if tuple(self.gates.moe_layers) != tuple(self.architecture.moe_layers):
+            raise ConfigValidationError(
+                "checkpoint",
+                expected=f"MoE layers {list(self.architecture.moe_layers)} (the architecture's)",
+                got=str(list(self.gates.moe_layers)),
+            )
+        self.model = model
+        self.optimizer = optim.build_optimizer(model.parameters(), self.optimizer_config)
+        return self
+
+    # ---- weights ----------------------------------------------------------------
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Load HF-named tensors (the model's own parameter names, the engine's layout),
+        each checked by name and shape before it is copied; returns how many."""
+        params = dict(self._require_model().named_parameters())
+        count = 0
+        for name, tensor in named_tensors:
+            param = params.get(name)
+            if param is None:
+                raise ValueError(
+                    f"{name}: expected a {self.model_class} weight (one of its "
+                    f"{len(params)} parameters, e.g. {next(iter(params))!r}), got an unknown name"
+                )
+            if tuple(tensor.shape) != tuple(param.shape):
+                raise ValueError(
+                    f"{name}.shape: expected {tuple(param.shape)}, got {tuple(tensor.shape)}"
+                )
+            state.copy_full_(param, tensor)
+            count += 1
+        return count
+
+    def named_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """This rank's parameters (its shards, DTensors when sharded), as the model names them."""
+        return self._require_model().named_parameters()
+
+    def parameter_snapshot(self) -> dict[str, torch.Tensor]:
+        """A detached copy of this rank's parameters (its shards), for ``swapped_weights``."""
+        return {name: p.detach().clone() for name, p in self._require_model().named_parameters()}
+
+    @contextmanager
+    def swapped_weights(self, weights: Mapping[str, torch.Tensor]) -> Iterator[None]:
+        """Run the model on ``weights`` (a ``parameter_snapshot``) inside the block.
+
+        Copied into the shards and back rather than swapping storage: FSDP2 all-gathers
+        from its own flat shard buffer, which a swapped ``.data`` would not reach. The
+        model's own weights are back on exit, an exception included."""
+        params = dict(self._require_model().named_parameters())
+        if weights.keys() != params.keys():
+            missing = sorted(params.keys() - weights.keys())[:3]
+            extra = sorted(weights.keys() - params.keys())[:3]
+            raise ValueError(
+                f"weights: expected this model's {len(params)} parameters, got "
+                f"{len(weights)} (missing {missing}, unexpected {extra})"
+            )
+        for name, param in params.items():
+            if weights[name].shape != param.shape:
+                raise ValueError(
+                    f"weights[{name!r}]: expected shape {tuple(param.shape)}, got "
+                    f"{tuple(weights[name].shape)}"
+                )
+        own = self.parameter_snapshot()
+        try:
+            state.copy_params_(params, weights)
+            yield
+        finally:
+            state.copy_params_(params, own)
+
+    def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The whole model's weights in the engine's HF layout, one full CPU tensor at a
+        time; sharded, each is an all-gather, so every rank consumes it in lockstep."""
+        for name, param in self._require_model().named_parameters():
+            yield name, state.full_tensor(param)
+
+    # ---- checkpoints (runs/reshard.py's Checkpointable) -------------------------------
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        """The model's and AdamW's state dicts of this rank (its shards), for a resume
+        on the same layout (``fsdp/state.py``)."""
+        assert self.optimizer is not None
+        return state.checkpoint_state(self._require_model(), self.optimizer)
+
+    def load_checkpoint_state(self, saved: Mapping[str, Any]) -> None:
+        """Load a ``checkpoint_state`` of this layout."""
+        assert self.optimizer is not None
+        state.load_checkpoint_state(self._require_model(), self.optimizer, saved)
+
+    def rank_info(self) -> RankInfo:
+        """Every rank is a data-parallel rank (one shard group over the world)."""
+        self._require_model()
+        dist = torch.distributed
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        return RankInfo(rank=rank, world_size=world, dp_rank=rank, dp_size=world, ep_size=1)
+
+    def scheduled_lr(self) -> float:
+        """The learning rate the next optimizer step uses (warm-up included)."""
+        assert self.optimizer is not None
+        return optim.scheduled_lr(self.optimizer_config, self.optimizer)
+
+    # ---- forward ----------------------------------------------------------------
+
+    def forward(
+        self,
+        batch: TrainingBatch,
+        *,
+        micro_batch_size: int | None = None,
+        replay_routes: bool | None = None,
+        capture_routes: bool = False,
+        trajectory_ids: Sequence[str] | None = None,
+        entropy: bool = False,
+        temperature: float | None = None,
+    ) -> ForwardResult:
+        """Response logprobs ``[B, R]`` without gradient, microbatch by microbatch
+        (``workers.base.PolicyWorker.forward``)."""
+        temperature = self.temperature if temperature is None else temperature
+        do_replay = self._check_replay(batch, replay_routes, trajectory_ids)
+        micro = self._microbatches(batch, micro_batch_size)
+        logprobs, entropies, routes = [], [], []
+        model = self._require_model()
+        model.eval()
+        try:
+            with torch.no_grad():
+                for mb in micro:
+                    layout = make_contiguous(mb, pad_token_id=self.pad_token_id)
+                    with self.gates.session(
+                        routes=layout.routes if do_replay else None, capture=capture_routes
+                    ) as recorder:
+                        lp, ent = _response(
+                            self._logits(layout),
+                            layout,
+                            mb,
+                            entropy=entropy,
+                            temperature=temperature,
+                        )
+                    logprobs.append(lp.cpu())
+                    if ent is not None:
+                        entropies.append(ent.cpu())
+                    if capture_routes:
+                        routes.append(_batch_layout_routes(recorder.routes(), layout))
+        finally:
+            # Without a backward nothing reshards a layer kept gathered after its
+            # forward (reshard_after_forward=False): a later weight load or swap writes
+            # the shards, and a still-gathered layer would not see it.
+            state.reshard(model)
+        return ForwardResult(
+            logprobs=torch.cat(logprobs),
+            routes=torch.cat(routes) if capture_routes else None,
+            entropy=torch.cat(entropies) if entropy else None,
+        )
+
+    def rollout_router_agreement(
+        self, batch: TrainingBatch, routes: torch.Tensor
+    ) -> RouterAgreement:
+        """Agreement of ``routes`` with the batch's rollout routes over real rows the
+        rollout captured (as the Megatron worker's)."""
+        if batch.routed_experts is None:
+            raise RouteReplayError(
+                "routed_experts", expected="routes to compare against", got="None"
+            )
+        route_checks.check_route_shape(batch.routed_experts, self._require_gates())
+        skip = ~batch.attention_mask.to(torch.bool)
+        if batch.router_padding_mask is not None:
+            skip = skip | batch.router_padding_mask.to(torch.bool)
+        return router_agreement(routes, batch.routed_experts, skip)
+
+    # ---- training -----------------------------------------------------------------
+
+    def train_step(
+        self,
+        batch: TrainingBatch,
+        *,
+        loss_fn: LossFn | EntropyLossFn,
+        micro_batch_size: int,
+        replay_routes: bool | None = None,
+        trajectory_ids: Sequence[str] | None = None,
+        entropy: bool = False,
+        capture_routes: bool = False,
+    ) -> TrainStepResult:
+        """One optimizer step over ``batch`` (this rank's shard): the gradient contract
+        of ``workers/base.py``. Each microbatch's backward runs inside its replay
+        session, so a recomputed layer (activation checkpointing) replays the same ids."""
+        model, optimizer = self._require_model(), self.optimizer
+        assert optimizer is not None
+        do_replay = self._check_replay(batch, replay_routes, trajectory_ids)
+        micro = self._microbatches(batch, micro_batch_size)
+        count = len(micro)
+        losses = torch.zeros(count, dtype=torch.float64)
+        routes = []
+        model.train()
+        optimizer.zero_grad(set_to_none=True)
+        for m, mb in enumerate(micro):
+            layout = make_contiguous(mb, pad_token_id=self.pad_token_id)
+            if self.sharded:
+                # One reduce-scatter per step, after the last microbatch's backward;
+                # the gradients accumulate unsharded until then.
+                model.set_requires_gradient_sync(m == count - 1)
+            with self.gates.session(
+                routes=layout.routes if do_replay else None, capture=capture_routes
+            ) as recorder:
+                lp, ent = _response(
+                    self._logits(layout), layout, mb, entropy=entropy, temperature=self.temperature
+                )
+                extra = (ent,) if ent is not None else ()
+                value = loss_fn(lp, batch_to(mb, lp.device), *extra)  # type: ignore[arg-type]
+                losses[m] = float(value.detach())
+                # Each loss times 1/microbatches: the gradients accumulate to their
+                # mean (algorithms/token_mean.py).
+                (value / count).backward()
+            if capture_routes:
+                routes.append(_batch_layout_routes(recorder.routes(), layout))
+        grad_norm = state.clip_grad_norm(model, max_norm=self.optimizer_config.max_grad_norm)
+        lr = optim.scheduled_lr(self.optimizer_config, optimizer)
+        # Skipped on a NaN/inf norm: the trainer stops the run on it (trainer/finite.py).
+        optim.optimizer_step(optimizer, lr=lr, grad_norm=grad_norm)
+        return TrainStepResult(
+            loss=float(losses.mean()),
+            grad_norm=grad_norm,
+            num_microbatches=count,
+            replayed=do_replay,
+            lr=lr,
+            routes=torch.cat(routes) if capture_routes else None,
+        )
+
+    # ---- helpers ------------------------------------------------------------------
+
+    def _microbatches(self, batch: TrainingBatch, size: int | None) -> list[TrainingBatch]:
+        size = batch.batch_size if size is None else size
+        if size < 1:
+            raise ValueError(f"micro_batch_size: expected a positive int, got {size}")
+        return [
+            slice_batch(batch, start, min(start + size, batch.batch_size))
+            for start in range(0, batch.batch_size, size)
+        ]
+
+    def _logits(self, layout: ContiguousBatch) -> torch.Tensor:
+        """``[b, S, V]`` logits of the contiguous rows: positions 0..S-1 and transformers'
+        plain causal mask (real tokens first, so right padding never reaches them)."""
+        rows, seq = layout.tokens.shape
+        tokens = layout.tokens.to(self.device)
+        positions = torch.arange(seq, device=self.device)[None, :].expand(rows, seq)
+        return self._require_model()(input_ids=tokens, position_ids=positions).logits
+
+    def _require_model(self) -> Any:
+        if self.model is None:
+            raise RuntimeError("FSDPPolicyWorker: call setup() first")
+        return self.model
+
+    def _require_gates(self) -> Any:
+        self._require_model()
+        return self.gates
+
+    def _check_replay(
+        self,
+        batch: TrainingBatch,
+        replay_routes: bool | None,
+        trajectory_ids: Sequence[str] | None,
+    ) -> bool:
+        """Decide whether to replay and validate the whole batch's routes up front, so a
+        bad trajectory is refused before any microbatch ran."""
+        gates = self._require_gates()
+        if replay_routes is None:
+            replay_routes = self.routing_replay and batch.routed_experts is not None
+        if not replay_routes:
+            return False
+        if batch.routed_experts is None:
+            raise RouteReplayError("routed_experts", expected="routes to replay", got="None")
+        if not self.routing_replay:
+            raise RouteReplayError(
+                ROUTING_REPLAY_KEY, expected="true to replay routes", got="false"
+            )
+        route_checks.validate_routes(batch.routed_experts, gates, trajectory_ids=trajectory_ids)
+        return True
+
+
+def _response(
+    logits: torch.Tensor,
+    layout: ContiguousBatch,
+    mb: TrainingBatch,
+    *,
+    entropy: bool,
+    temperature: float,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The microbatch's response logprobs ``[b, R]`` and, with ``entropy``, entropy,
+    under the rollout sampler's distribution (as the Megatron worker's ``_response``)."""
+    sampler = SamplerReplay(temperature=temperature, support=mb.sample_support)
+    if entropy:
+        return response_logprobs_and_entropy(logits, layout, mb.response_mask, sampler=sampler)
+    return response_logprobs(logits, layout, mb.response_mask, sampler=sampler), None
+
+
+def _batch_layout_routes(routes: torch.Tensor, layout: ContiguousBatch) -> torch.Tensor:
+    """A microbatch's captured ``[b, S, L_moe, K]`` routes moved back from the
+    contiguous layout to the batch's; the left padding gets ``route_filler``."""
+    routes = routes.cpu()
+    return shift_rows(routes, -layout.shifts, route_filler_tensor(routes))

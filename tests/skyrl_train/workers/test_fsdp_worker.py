@@ -1,0 +1,243 @@
+"""The FSDP2 worker against the Megatron worker on the built-in model: same checkpoint
+folder, same weights, same batch (left and right padding, three microbatches, random
+rollout routes), fp32. R3 log-probs, captured routes, loss, gradients, grad norm and
+the weights after one AdamW step agree (issue 40's differential targets); so do the
+sampler-replay and entropy scores. Two FSDP ranks on gloo equal one rank on the same
+global batch."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from _fsdp_pairs import build_fsdp, build_pair, layout_batch
+from _megatron_batches import PAD_ID
+from _step_checks import clipped_grads, steady_worst
+
+from inference.models.checkpoint import builtin_checkpoint
+from inference.models.tiny_moe import TinyMoEConfig
+from skyrl_train.config.schema import OptimizerConfig
+from skyrl_train.dataset.batch import TrainingBatch, slice_batch
+from skyrl_train.errors import RouteReplayError
+from skyrl_train.trainer.policy import checkpoint_weights
+
+CFG = TinyMoEConfig()
+ARCH = CFG.architecture()
+OPT = OptimizerConfig(lr=1e-2, max_grad_norm=1.0)
+TOL = 1e-5
+MICRO = 2  # five rows: three microbatches, the last one shorter
+
+
+def _loss(logprobs: torch.Tensor, mb: TrainingBatch, entropy: torch.Tensor) -> torch.Tensor:
+    """A token-mean policy-gradient-like loss with an entropy bonus: every input the
+    step differentiates reaches it."""
+    mask = mb.loss_mask.to(logprobs.dtype)
+    assert mb.rollout_logprobs is not None
+    advantage = mb.rollout_logprobs.to(logprobs.device) + 0.5
+    return -((logprobs * advantage + 0.01 * entropy) * mask).sum() / mask.sum()
+
+
+def _close(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max())
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return builtin_checkpoint(CFG, seed=3, cache_dir=tmp_path_factory.mktemp("builtin"))
+
+
+@pytest.fixture(scope="module")
+def hf_state(checkpoint: Path) -> dict[str, torch.Tensor]:
+    return dict(checkpoint_weights(checkpoint))
+
+
+@pytest.fixture(scope="module")
+def pair(checkpoint: Path) -> tuple:
+    torch.set_num_threads(1)
+    return build_pair(checkpoint, ARCH, optimizer=OPT, pad_token_id=PAD_ID)
+
+
+@pytest.fixture
+def fresh(pair: tuple, hf_state: dict[str, torch.Tensor]) -> tuple:
+    """Both workers back on the checkpoint's weights."""
+    for worker in pair:
+        worker.load_weights(hf_state.items())
+    return pair
+
+
+def test_export_names_are_the_megatron_workers_hf_names(fresh) -> None:
+    megatron, fsdp = fresh
+    names = [name for name, _ in fsdp.export_weights()]
+    # The same tensors under the same names; the order is each model's own.
+    assert sorted(names) == sorted(name for name, _ in megatron.export_weights())
+    assert len(set(names)) == len(names)
+    assert fsdp.sharded  # one rank, but through fully_shard's code path
+    info = fsdp.rank_info()
+    assert (info.dp_size, info.ep_size, info.tp_size, info.pp_size) == (1, 1, 1, 1)
+
+
+@pytest.mark.parametrize("replay", [False, True])
+def test_forward_logprobs_and_routes_match_megatron(fresh, replay: bool) -> None:
+    megatron, fsdp = fresh
+    batch = layout_batch(ARCH, vocab=CFG.vocab_size)
+    want = megatron.forward(
+        batch, micro_batch_size=MICRO, replay_routes=replay, capture_routes=True
+    )
+    got = fsdp.forward(batch, micro_batch_size=MICRO, replay_routes=replay, capture_routes=True)
+    assert _close(got.logprobs, want.logprobs) <= TOL
+    assert torch.all(got.logprobs[batch.response_mask == 0] == 0)
+    assert got.routes is not None and torch.equal(got.routes, want.routes)
+    agreement = fsdp.rollout_router_agreement(batch, got.routes)
+    # Replayed: the gates dispatched the rollout's ids; native: random routes disagree.
+    assert (agreement.agreement == 1.0) == replay
+
+
+def test_sampler_replay_temperature_and_entropy_match_megatron(fresh) -> None:
+    megatron, fsdp = fresh
+    batch = layout_batch(ARCH, vocab=CFG.vocab_size, seed=4)
+    gen = torch.Generator().manual_seed(5)
+    rows, actions = batch.response_mask.shape
+    response = batch.sequences[:, -actions:]
+    others = torch.randint(0, CFG.vocab_size, (rows, actions, 5), generator=gen)
+    support = torch.cat([response[..., None], others], dim=-1)
+    support[0, :, 3:] = -1  # a shorter kept set
+    support[1] = -1  # a row that lists none keeps the whole vocabulary
+    batch.sample_support = support
+    want = megatron.forward(batch, micro_batch_size=MICRO, entropy=True, temperature=0.7)
+    got = fsdp.forward(batch, micro_batch_size=MICRO, entropy=True, temperature=0.7)
+    assert got.entropy is not None and want.entropy is not None
+    assert _close(got.logprobs, want.logprobs) <= TOL
+    assert _close(got.entropy, want.entropy) <= TOL
+    plain = fsdp.forward(batch, micro_batch_size=MICRO, temperature=1.0)
+    assert _close(plain.logprobs, got.logprobs) > 1e-2  # the sampler changed the scores
+
+
+def test_r3_train_step_matches_megatron(fresh, hf_state) -> None:
+    megatron, fsdp = fresh
+    batch = layout_batch(ARCH, vocab=CFG.vocab_size, seed=6)
+    kwargs = dict(loss_fn=_loss, micro_batch_size=MICRO, entropy=True, capture_routes=True)
+    want = megatron.train_step(batch, **kwargs)
+    got = fsdp.train_step(batch, **kwargs)
+    assert got.replayed and want.replayed and got.num_microbatches == 3
+    assert got.routes is not None and torch.equal(got.routes, want.routes)
+    assert abs(got.loss - want.loss) <= 1e-6, (got.loss, want.loss)
+    assert abs(got.grad_norm - want.grad_norm) <= TOL * want.grad_norm
+    assert want.grad_norm > OPT.max_grad_norm  # the clip acted
+    assert got.lr == want.lr
+    want_grads, got_grads = clipped_grads(megatron), clipped_grads(fsdp)
+    assert max(_close(got_grads[n], want_grads[n]) for n in want_grads) <= TOL
+    want_w, got_w = dict(megatron.export_weights()), dict(fsdp.export_weights())
+    assert max(_close(want_w[n], hf_state[n]) for n in hf_state) > 1e-3  # the step moved them
+    assert steady_worst(got_w, want_w, want_grads) <= TOL
+
+
+def test_checkpoint_state_round_trips_and_swapped_weights_restore(fresh, hf_state) -> None:
+    _, fsdp = fresh
+    batch = layout_batch(ARCH, vocab=CFG.vocab_size, seed=7)
+    fsdp.train_step(batch, loss_fn=_loss, micro_batch_size=MICRO, entropy=True)
+    saved = {k: _clone(v) for k, v in fsdp.checkpoint_state().items()}
+    before = dict(fsdp.export_weights())
+    step = fsdp.train_step(batch, loss_fn=_loss, micro_batch_size=MICRO, entropy=True)
+    fsdp.load_checkpoint_state(saved)
+    assert all(torch.equal(w, before[n]) for n, w in fsdp.export_weights())
+    again = fsdp.train_step(batch, loss_fn=_loss, micro_batch_size=MICRO, entropy=True)
+    assert (again.loss, again.grad_norm, again.lr) == (step.loss, step.grad_norm, step.lr)
+    # The reference policy's weights inside the block, the policy's own after it.
+    reference = {n: p.detach().clone() for n, p in fsdp.named_parameters()}
+    fsdp.load_weights(hf_state.items())
+    policy = fsdp.forward(batch, micro_batch_size=MICRO).logprobs
+    with fsdp.swapped_weights(reference):
+        assert _close(fsdp.forward(batch, micro_batch_size=MICRO).logprobs, policy) > 1e-3
+    assert torch.equal(fsdp.forward(batch, micro_batch_size=MICRO).logprobs, policy)
+
+
+def _clone(value):
+    if isinstance(value, dict):
+        return {k: _clone(v) for k, v in value.items()}
+    return value.detach().clone() if isinstance(value, torch.Tensor) else value
+
+
+def test_bad_input_is_refused_naming_it(fresh, checkpoint, hf_state) -> None:
+    _, fsdp = fresh
+    batch = layout_batch(ARCH, vocab=CFG.vocab_size)
+    with pytest.raises(ValueError, match=r"micro_batch_size: expected a positive int, got 0"):
+        fsdp.forward(batch, micro_batch_size=0)
+    with pytest.raises(
+        ValueError, match=r"model.layers.9.mlp.gate.weight: expected a Qwen3MoeForCausalLM weight"
+    ):
+        fsdp.load_weights([("model.layers.9.mlp.gate.weight", torch.zeros(8, 64))])
+    with pytest.raises(ValueError, match=r"model.norm.weight.shape: expected \(64,\), got \(3,\)"):
+        fsdp.load_weights([("model.norm.weight", torch.zeros(3))])
+    off = build_fsdp(checkpoint, ARCH, optimizer=OPT, pad_token_id=PAD_ID, routing_replay=False)
+    with pytest.raises(RouteReplayError, match=r"trainer.policy.routing_replay.enabled"):
+        off.forward(batch, replay_routes=True)
+    assert off.forward(batch, capture_routes=True).routes is not None  # native routing runs
+    bad = layout_batch(ARCH, vocab=CFG.vocab_size)
+    assert bad.routed_experts is not None
+    bad.routed_experts[0, -1, 0, 0] = CFG.num_experts
+    with pytest.raises(RouteReplayError):
+        fsdp.forward(bad, replay_routes=True)
+
+
+# ---- two data-parallel ranks --------------------------------------------------------
+
+WORLD = 2
+
+
+def _rank_main(rank: int, rendezvous: str, checkpoint: str) -> None:
+    torch.set_num_threads(1)
+    batch = layout_batch(ARCH, vocab=CFG.vocab_size, seed=8, rows=4)
+    loss = dict(loss_fn=_loss, micro_batch_size=1, entropy=True)
+    # The one-rank reference first, before any process group: unsharded.
+    ref = build_fsdp(Path(checkpoint), ARCH, optimizer=OPT, pad_token_id=PAD_ID)
+    assert not ref.sharded
+    ref_lp = ref.forward(batch, micro_batch_size=1).logprobs
+    want = ref.train_step(batch, **loss)
+    want_grads, want_w = clipped_grads(ref), dict(ref.export_weights())
+    torch.distributed.init_process_group(
+        "gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=WORLD
+    )
+    try:
+        worker = build_fsdp(Path(checkpoint), ARCH, optimizer=OPT, pad_token_id=PAD_ID)
+        assert worker.sharded and worker.rank_info().dp_size == WORLD
+        shard = slice_batch(batch, 2 * rank, 2 * rank + 2)
+        lp = worker.forward(shard, micro_batch_size=1).logprobs
+        assert _close(lp, ref_lp[2 * rank : 2 * rank + 2]) <= TOL
+        got = worker.train_step(shard, **loss)
+        mean_loss = torch.tensor(got.loss, dtype=torch.float64)
+        torch.distributed.all_reduce(mean_loss)
+        assert abs(float(mean_loss) / WORLD - want.loss) <= 1e-6
+        assert abs(got.grad_norm - want.grad_norm) <= TOL * want.grad_norm
+        grads, weights = clipped_grads(worker), dict(worker.export_weights())
+        assert max(_close(grads[n], want_grads[n]) for n in want_grads) <= TOL
+        assert steady_worst(weights, want_w, want_grads) <= TOL
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_two_data_parallel_ranks_equal_one_rank(
+    checkpoint, tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    ranks = mp.start_processes(
+        _rank_main,
+        args=(str(tmp_path / "rendezvous"), str(checkpoint)),
+        nprocs=WORLD,
+        join=False,
+    )
+    try:
+        while not ranks.join():
+            pass
+    finally:
+        for process in ranks.processes:
+            if process.is_alive():
+                process.terminate()
+        for process in ranks.processes:
+            process.join(timeout=30)
+            if process.is_alive():
+                process.kill()
+                process.join()
