@@ -190,3 +190,30 @@ def response_log_softmax(
         targets,
         part,
     )
+
+
+def score_responses(
+    logits: torch.Tensor,
+    layout: ContiguousBatch,
+    microbatch: TrainingBatch,
+    *,
+    entropy: bool,
+    temperature: float,
+    shard: VocabPart | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A microbatch's response logprobs ``[b, R]`` and, with ``entropy``, entropy,
+    under the rollout sampler's distribution: softmax(logits / ``temperature``) over
+    the batch's ``sample_support`` when it has one. What every backend's forward and
+    train step score."""
+    sampler = SamplerReplay(temperature=temperature, support=microbatch.sample_support)
+    mask = microbatch.response_mask
+    if entropy:
+        return response_logprobs_and_entropy(logits, layout, mask, sampler=sampler, shard=shard)
+    return response_logprobs(logits, layout, mask, sampler=sampler, shard=shard), None
+
+
+def routes_to_batch_layout(routes: torch.Tensor, layout: ContiguousBatch) -> torch.Tensor:
+    """Routes ``[b, S, L, K]`` captured on ``layout``'s contiguous rows, moved back to
+    the batch's layout (on the CPU); the left padding gets ``route_filler``."""
+    routes = routes.cpu()
+    return shift_rows(routes, -layout.shifts, route_filler_tensor(routes))

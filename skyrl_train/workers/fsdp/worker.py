@@ -25,7 +25,6 @@ import torch
 from inference.models.architecture import MoEArchitecture
 from skyrl_train.algorithms import optim
 from skyrl_train.algorithms.mismatch import RouterAgreement, router_agreement
-from skyrl_train.algorithms.sampler_replay import SamplerReplay
 from skyrl_train.config.constraints import check_constraints
 from skyrl_train.config.schema import FSDPConfig, OptimizerConfig
 from skyrl_train.dataset.batch import TrainingBatch, batch_to, slice_batch
@@ -41,10 +40,8 @@ from skyrl_train.workers.base import (
 from skyrl_train.workers.batch_layout import (
     ContiguousBatch,
     make_contiguous,
-    response_logprobs,
-    response_logprobs_and_entropy,
-    route_filler_tensor,
-    shift_rows,
+    routes_to_batch_layout,
+    score_responses,
 )
 from skyrl_train.workers.fsdp import state
 from skyrl_train.workers.fsdp.model import (
@@ -240,7 +237,7 @@ class FSDPPolicyWorker:
                     with self.gates.session(
                         routes=layout.routes if do_replay else None, capture=capture_routes
                     ) as recorder:
-                        lp, ent = _response(
+                        lp, ent = score_responses(
                             self._logits(layout),
                             layout,
                             mb,
@@ -251,7 +248,7 @@ class FSDPPolicyWorker:
                     if ent is not None:
                         entropies.append(ent.cpu())
                     if capture_routes:
-                        routes.append(_batch_layout_routes(recorder.routes(), layout))
+                        routes.append(routes_to_batch_layout(recorder.routes(), layout))
         finally:
             # Without a backward nothing reshards a layer kept gathered after its
             # forward (reshard_after_forward=False): a later weight load or swap writes
@@ -312,7 +309,7 @@ class FSDPPolicyWorker:
             with self.gates.session(
                 routes=layout.routes if do_replay else None, capture=capture_routes
             ) as recorder:
-                lp, ent = _response(
+                lp, ent = score_responses(
                     self._logits(layout), layout, mb, entropy=entropy, temperature=self.temperature
                 )
                 extra = (ent,) if ent is not None else ()
@@ -322,7 +319,7 @@ class FSDPPolicyWorker:
                 # mean (algorithms/token_mean.py).
                 (value / count).backward()
             if capture_routes:
-                routes.append(_batch_layout_routes(recorder.routes(), layout))
+                routes.append(routes_to_batch_layout(recorder.routes(), layout))
         grad_norm = state.clip_grad_norm(model, max_norm=self.optimizer_config.max_grad_norm)
         lr = optim.scheduled_lr(self.optimizer_config, optimizer)
         # Skipped on a NaN/inf norm: the trainer stops the run on it (trainer/finite.py).
@@ -385,26 +382,3 @@ class FSDPPolicyWorker:
             )
         route_checks.validate_routes(batch.routed_experts, gates, trajectory_ids=trajectory_ids)
         return True
-
-
-def _response(
-    logits: torch.Tensor,
-    layout: ContiguousBatch,
-    mb: TrainingBatch,
-    *,
-    entropy: bool,
-    temperature: float,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The microbatch's response logprobs ``[b, R]`` and, with ``entropy``, entropy,
-    under the rollout sampler's distribution (as the Megatron worker's ``_response``)."""
-    sampler = SamplerReplay(temperature=temperature, support=mb.sample_support)
-    if entropy:
-        return response_logprobs_and_entropy(logits, layout, mb.response_mask, sampler=sampler)
-    return response_logprobs(logits, layout, mb.response_mask, sampler=sampler), None
-
-
-def _batch_layout_routes(routes: torch.Tensor, layout: ContiguousBatch) -> torch.Tensor:
-    """A microbatch's captured ``[b, S, L_moe, K]`` routes moved back from the
-    contiguous layout to the batch's; the left padding gets ``route_filler``."""
-    routes = routes.cpu()
-    return shift_rows(routes, -layout.shifts, route_filler_tensor(routes))

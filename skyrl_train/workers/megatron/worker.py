@@ -42,6 +42,7 @@ from skyrl_train.workers.base import (
     RankInfo,
     TrainStepResult,
 )
+from skyrl_train.workers.batch_layout import score_responses
 from skyrl_train.workers.megatron import convert, replay
 from skyrl_train.workers.megatron.cpu_compat import apply_cpu_compat
 from skyrl_train.workers.megatron.gradients import (
@@ -49,11 +50,7 @@ from skyrl_train.workers.megatron.gradients import (
     clip_grad_norm,
     sum_sequence_parallel_grads,
 )
-from skyrl_train.workers.megatron.layout import (
-    SamplerReplay,
-    response_logprobs,
-    response_logprobs_and_entropy,
-)
+from skyrl_train.workers.megatron.layout import VocabShard
 from skyrl_train.workers.megatron.model import (
     MEGATRON_CONFIG_KEY,
     build_model_chunks,
@@ -427,10 +424,12 @@ def _response(
     logits: torch.Tensor, batches: Microbatches, m: int, *, entropy: bool, temperature: float
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Microbatch ``m``'s response logprobs ``[b, R]`` and, with ``entropy``, entropy,
-    under the rollout sampler's distribution."""
-    mb = batches.micro[m]
-    layout, mask = batches.layouts[m], mb.response_mask
-    sampler = SamplerReplay(temperature=temperature, support=mb.sample_support)
-    if entropy:
-        return response_logprobs_and_entropy(logits, layout, mask, sampler=sampler)
-    return response_logprobs(logits, layout, mask, sampler=sampler), None
+    under the rollout sampler's distribution, on this rank's vocabulary shard."""
+    return score_responses(
+        logits,
+        batches.layouts[m],
+        batches.micro[m],
+        entropy=entropy,
+        temperature=temperature,
+        shard=VocabShard.of(logits.shape[-1]),
+    )
