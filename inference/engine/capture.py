@@ -33,7 +33,7 @@ class RouteCapture:
     ``end()`` raises when a layer's hook did not fire in the forward. That is the one
     check for an uncaptured layer: the trainer cannot tell one from the ids (with top-1
     a layer may really send every token of a trajectory to expert 0), so
-    ``skyrl_train.workers.megatron.replay.validate_routes`` relies on it.
+    ``skyrl_train.workers.routes.validate_routes`` relies on it.
     """
 
     def __init__(

@@ -21,6 +21,11 @@ import torch
 
 from skyrl_train.errors import RouteReplayError
 
+# The route checks are backend-neutral (workers/routes.py); their old home keeps them.
+from skyrl_train.workers.routes import check_route_shape as check_route_shape
+from skyrl_train.workers.routes import describe_route_layer
+from skyrl_train.workers.routes import validate_routes as validate_routes
+
 
 @dataclass(frozen=True)
 class LocalRouters:
@@ -60,10 +65,7 @@ class LocalRouters:
 
     def describe_layer(self, route_layer: int) -> str:
         """``layer 2`` when route and decoder layers coincide, else both numbers."""
-        decoder = self.moe_layers[route_layer]
-        if decoder == route_layer:
-            return f"layer {route_layer}"
-        return f"MoE layer {route_layer} (decoder layer {decoder})"
+        return describe_route_layer(self.moe_layers, route_layer)
 
 
 def moe_layer_numbers(config: Any) -> tuple[int, ...]:
@@ -138,72 +140,6 @@ def check_registry(routers: LocalRouters) -> None:
             "RouterReplay registry",
             expected=f"this model's {len(mine)} routers",
             got=f"{len(registered)} other instances (a model built since setup replaced them)",
-        )
-
-
-def check_route_shape(routes: torch.Tensor, routers: LocalRouters) -> None:
-    """Refuse a route tensor that is not ``[B, S, L_moe, K]`` for this model."""
-    if routes.dim() != 4:
-        raise RouteReplayError(
-            "routed_experts", expected="[B, S, L, K]", got=f"shape {tuple(routes.shape)}"
-        )
-    layers, top_k = routes.shape[2], routes.shape[3]
-    if layers != routers.num_layers or top_k != routers.top_k:
-        raise RouteReplayError(
-            "routed_experts",
-            expected=f"{routers.num_layers} MoE layers x top-{routers.top_k} (the model's)",
-            got=f"{layers} layers x top-{top_k}",
-        )
-
-
-def validate_routes(
-    routes: torch.Tensor,
-    routers: LocalRouters,
-    *,
-    trajectory_ids: Sequence[str] | None = None,
-) -> None:
-    """Refuse routes the routers cannot replay; the message names trajectory and layer.
-
-    ``routes`` is batch-first ``[B, S, L_moe, K]``: one layer per MoE layer of the model.
-    Checks: shape against the model; ids in ``[0, num_experts)``; K distinct ids per
-    row. A layer the engine never captured cannot be told from its ids (with top-1,
-    every token of a short trajectory can really go to expert 0), so it is refused
-    where the routes are made: ``RouteCapture.end()`` (``inference/engine/capture.py``)
-    raises when a layer's hook did not fire in a forward, as ``DispatchCapture`` does
-    for a router that dispatched nothing (R2).
-    """
-    names = list(trajectory_ids) if trajectory_ids is not None else None
-
-    def who(b: int) -> str:
-        return f"trajectory {names[b]!r} (batch row {b})" if names else f"batch row {b}"
-
-    check_route_shape(routes, routers)
-    batch, _seq, _layers, top_k = routes.shape
-    if names is not None and len(names) != batch:
-        raise RouteReplayError("trajectory_ids", expected=f"{batch} ids", got=str(len(names)))
-    if routes.is_floating_point() or routes.dtype == torch.bool:
-        raise RouteReplayError(
-            "routed_experts.dtype", expected="an integer dtype", got=str(routes.dtype)
-        )
-    ids = routes.to(torch.int64)
-    bad = (ids < 0) | (ids >= routers.num_experts)
-    if bad.any():
-        b, s, layer, k = (int(x) for x in bad.nonzero()[0])
-        where = routers.describe_layer(layer)
-        raise RouteReplayError(
-            f"{who(b)}, {where}, token {s}",
-            expected=f"expert ids in [0, {routers.num_experts})",
-            got=str(int(ids[b, s, layer, k])),
-        )
-    ordered = ids.sort(dim=3).values
-    repeated = (ordered[..., 1:] == ordered[..., :-1]).any(dim=3)
-    if repeated.any():
-        b, s, layer = (int(x) for x in repeated.nonzero()[0])
-        where = routers.describe_layer(layer)
-        raise RouteReplayError(
-            f"{who(b)}, {where}, token {s}",
-            expected=f"{top_k} distinct experts",
-            got=str(ids[b, s, layer].tolist()),
         )
 
 
