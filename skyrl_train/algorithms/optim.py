@@ -3,8 +3,10 @@
 ``torch.optim.AdamW`` built from ``trainer.policy.optimizer_config``, its rate warmed
 up linearly over ``num_warmup_steps`` optimizer steps (docs/configuration.md, "Warmup,
 trackers, stopping"), and the step itself, skipped on a non-finite gradient norm. A
-backend reduces and clips its gradients its own way (Megatron's parallel groups:
-``workers/megatron/gradients.py``) and then calls ``optimizer_step``.
+backend reduces its gradients and computes their global norm its own way (Megatron's
+parallel groups: ``workers/megatron/gradients.py``; FSDP's shards:
+``workers/fsdp/state.py``), clips them with ``clip_to_norm_`` and then calls
+``optimizer_step``.
 
 Plain torch AdamW rather than Megatron's optimizer wrapper, which hard-codes CUDA; the
 same optimizer on every backend keeps their steps comparable update for update.
@@ -53,6 +55,16 @@ def scheduled_lr(config: OptimizerConfig, optimizer: torch.optim.Optimizer) -> f
     if config.num_warmup_steps <= 0:
         return config.lr
     return config.lr * min(1.0, (steps_taken(optimizer) + 1) / config.num_warmup_steps)
+
+
+def clip_to_norm_(grads: Iterable[torch.Tensor], *, norm: float, max_norm: float) -> None:
+    """Scale ``grads`` (whose global L2 norm is ``norm``, however a backend reduced it)
+    in place down to ``max_norm`` when the norm is above it. ``max_norm`` <= 0 disables
+    clipping (tests only: the schema wants > 0); a NaN norm is never above it."""
+    if max_norm > 0 and norm > max_norm:
+        scale = max_norm / (norm + 1e-6)
+        for grad in grads:
+            grad.mul_(scale)
 
 
 def optimizer_step(optimizer: torch.optim.Optimizer, *, lr: float, grad_norm: float) -> bool:

@@ -15,6 +15,8 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from skyrl_train.algorithms import optim
+
 
 def copy_full_(param: torch.Tensor, full: torch.Tensor) -> None:
     """Write the whole tensor ``full`` into ``param`` (this rank's shard of it when
@@ -54,8 +56,8 @@ def reshard(model: torch.nn.Module) -> None:
 def clip_grad_norm(model: torch.nn.Module, *, max_norm: float) -> float:
     """The global L2 norm of the gradients before clipping (each rank's shards' squares
     summed in fp64 over the mesh, equal on every rank); gradients are scaled down to
-    ``max_norm`` when above it, as ``workers/megatron/gradients.clip_grad_norm`` does.
-    ``max_norm`` <= 0 disables clipping (tests only: the schema wants > 0)."""
+    ``max_norm`` when above it (``algorithms/optim.clip_to_norm_``, the Megatron
+    worker's clip too)."""
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     sharded = [g for g in grads if isinstance(g, DTensor)]
     device = grads[0].device if grads else torch.device("cpu")
@@ -66,10 +68,7 @@ def clip_grad_norm(model: torch.nn.Module, *, max_norm: float) -> float:
     if sharded:
         torch.distributed.all_reduce(squares, group=sharded[0].device_mesh.get_group())
     norm = math.sqrt(float(squares))
-    if max_norm > 0 and norm > max_norm:
-        scale = max_norm / (norm + 1e-6)
-        for grad in grads:
-            grad.mul_(scale)
+    optim.clip_to_norm_(grads, norm=norm, max_norm=max_norm)
     return norm
 
 

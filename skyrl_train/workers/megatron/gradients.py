@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from skyrl_train.algorithms.optim import clip_to_norm_
 from skyrl_train.algorithms.token_mean import data_parallel_mean_
 from skyrl_train.workers.megatron.pipeline import PipelineGroup
 
@@ -132,9 +133,5 @@ def clip_grad_norm(
         )
     # Each stage holds its own layers: the squares add up over the pipeline group.
     norm = math.sqrt(float(pipeline.sum_over_stages(dense_sq + expert_sq)))
-    if max_norm > 0 and norm > max_norm:
-        scale = max_norm / (norm + 1e-6)
-        for p in with_grad:
-            assert p.grad is not None
-            p.grad.mul_(scale)
+    clip_to_norm_([p.grad for p in with_grad if p.grad is not None], norm=norm, max_norm=max_norm)
     return norm

@@ -12,6 +12,7 @@ import torch
 from skyrl_train.algorithms.optim import (
     ADAM_EPS,
     build_optimizer,
+    clip_to_norm_,
     optimizer_step,
     scheduled_lr,
     steps_taken,
@@ -78,3 +79,13 @@ def test_a_non_finite_norm_takes_no_step() -> None:
     assert steps_taken(optimizer) == 0 and scheduled_lr(config, optimizer) == LR / 2
     assert optimizer_step(optimizer, lr=LR, grad_norm=2.0)
     assert not all(torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))
+
+
+def test_clip_to_norm_scales_only_a_finite_norm_above_the_limit() -> None:
+    grads = [torch.tensor([3.0, 0.0]), torch.tensor([4.0])]  # global norm 5
+    clip_to_norm_(grads, norm=5.0, max_norm=1.0)
+    assert torch.allclose(torch.cat(grads).norm(), torch.tensor(1.0), atol=1e-6)
+    for norm, limit in ((0.5, 1.0), (float("nan"), 1.0), (5.0, 0.0)):
+        kept = [torch.tensor([3.0, 0.0]), torch.tensor([4.0])]
+        clip_to_norm_(kept, norm=norm, max_norm=limit)
+        assert [g.tolist() for g in kept] == [[3.0, 0.0], [4.0]]
