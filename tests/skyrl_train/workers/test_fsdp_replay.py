@@ -288,6 +288,56 @@ def test_capture_records_the_forward_not_the_recompute(setup: Setup) -> None:
     assert torch.equal(recorder.routes(), forward_routes)
 
 
+@pytest.mark.parametrize("name", MODELS)
+def test_hooks_survive_fully_shard_and_checkpointing(name: str) -> None:
+    """Hooks installed on the plain model still replay after ``fully_shard`` of every
+    decoder layer and the root (one gloo rank) with activation checkpointing: the same
+    gradients bit for bit, every router called by the forward and the recompute."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    model, arch = _build(name)
+    model.train()
+    tokens = torch.randint(0, arch.vocab_size, (BATCH, SEQ), generator=torch.Generator())
+    routes = _random(arch, seed=5)
+    replay = GateReplay(model, arch)
+
+    def grads() -> tuple[dict[str, torch.Tensor], Any]:
+        with replay.session(routes=routes, capture=True) as recorder:
+            model(tokens, use_cache=False).logits.logsumexp(-1).mean().backward()
+        out = {n: _full(p.grad) for n, p in model.named_parameters()}
+        model.zero_grad(set_to_none=True)
+        return out, recorder
+
+    dist = torch.distributed
+    created = not dist.is_initialized()
+    if created:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        plain, _ = grads()
+        mesh = init_device_mesh("cpu", (1,))
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        model.activation_checkpointing_enable()
+        sharded, recorder = grads()
+    finally:
+        replay.close()
+        if created:
+            dist.destroy_process_group()
+    assert type(model).__name__.startswith("FSDP")
+    assert recorder.gate_calls == (2,) * arch.num_moe_layers
+    assert torch.equal(recorder.routes(), routes.sort(dim=-1).values)
+    assert plain.keys() == sharded.keys()
+    for key, grad in plain.items():
+        assert torch.equal(sharded[key], grad), key
+
+
+def _full(tensor: Any) -> torch.Tensor:
+    full = getattr(tensor, "full_tensor", None)
+    return (full() if full is not None else tensor).detach().clone()
+
+
 def test_second_forward_in_one_session_is_refused(setup: Setup) -> None:
     with torch.no_grad(), setup.replay.session(routes=None, capture=True):
         setup.model(setup.tokens)
