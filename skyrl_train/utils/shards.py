@@ -6,6 +6,12 @@ up projection separately, so a rank holds ``[gate_r; up_r]``. The Megatron worke
 cuts its shards of the HF weights with this (``workers/megatron/tensor_parallel.py``)
 and a checkpoint is resharded with it from its rank files' placement records
 (``runs/reshard.py``), so both agree on what a shard is.
+
+The cut is ``torch.chunk``'s, with empty shards appended up to ``size``: FSDP2 shards
+every parameter so on dim 0 (``fully_shard``), the chunks ``ceil(n / size)`` rows each
+and the last ones shorter or empty (5 rows over 4 ranks: 2, 2, 1, 0), and an FSDP rank
+file records its shard with the same dim, rank and size (``workers/fsdp/checkpoint.py``).
+Megatron's tensor-parallel sizes divide their dims, where this is an even split.
 """
 
 from __future__ import annotations
@@ -20,8 +26,18 @@ def cut_shard(whole: torch.Tensor, *, dim: int, rank: int, size: int, gated: boo
         return whole
     if gated:
         halves = torch.chunk(whole, 2, dim=dim)
-        return torch.cat([torch.chunk(h, size, dim=dim)[rank] for h in halves], dim=dim)
-    return torch.chunk(whole, size, dim=dim)[rank]
+        return torch.cat([_chunk(h, dim=dim, rank=rank, size=size) for h in halves], dim=dim)
+    return _chunk(whole, dim=dim, rank=rank, size=size)
+
+
+def _chunk(whole: torch.Tensor, *, dim: int, rank: int, size: int) -> torch.Tensor:
+    """``torch.chunk(whole, size, dim)[rank]``, or an empty slice along ``dim`` for a
+    rank past the chunks ``torch.chunk`` returns (it returns fewer when the rows run out:
+    ``torch.chunk`` of 5 rows in 4 gives 2, 2, 1)."""
+    chunks = torch.chunk(whole, size, dim=dim)
+    if rank < len(chunks):
+        return chunks[rank]
+    return whole.narrow(dim, whole.shape[dim], 0)
 
 
 def join_shards(parts: list[torch.Tensor], *, dim: int, gated: bool) -> torch.Tensor:
