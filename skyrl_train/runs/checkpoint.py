@@ -282,12 +282,31 @@ def verify_checkpoint(
 def verify_resume(cfg: PPOConfig) -> Checkpoint | None:
     """The launch-time check of ``trainer.resume_from`` (None when not resuming), a
     checkpoint folder (``latest`` is resolved first: ``runs.folder``): the whole
-    folder against its manifest, and that this run's world size can resume it."""
+    folder against its manifest, and ``check_resumable``."""
     if not cfg.trainer.resume_from:
         return None
     found = verify_checkpoint(cfg.trainer.resume_from)
-    check_world_size(found, num_trainers=cfg.trainer.placement.num_trainers)
+    check_resumable(
+        found, strategy=cfg.trainer.strategy, num_trainers=cfg.trainer.placement.num_trainers
+    )
     return found
+
+
+def check_resumable(found: Checkpoint, *, strategy: str, num_trainers: int) -> None:
+    """Refuse resuming ``found`` under another ``trainer.strategy`` than the backend
+    that wrote it (``runs/backend.py``), or at a world size its rank files cannot
+    reach (``check_world_size``)."""
+    # Imported here: verifying a folder needs only the standard library.
+    from skyrl_train.runs.backend import check_strategy
+    from skyrl_train.runs.reshard import saved_layout
+
+    try:
+        saved: str | None = saved_layout(found.folder).strategy
+    except CheckpointError:
+        saved = None  # the rank that reads the file names what is wrong with it
+    if saved is not None:
+        check_strategy(found.folder, saved, strategy=strategy)
+    check_world_size(found, num_trainers=num_trainers)
 
 
 def check_world_size(found: Checkpoint, *, num_trainers: int) -> None:

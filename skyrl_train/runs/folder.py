@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING
 from skyrl_train.errors import ConfigValidationError
 from skyrl_train.runs.checkpoint import (
     RESUME_KEY,
-    check_world_size,
+    check_resumable,
     list_checkpoints,
     newest_checkpoint,
     verify_checkpoint,
@@ -172,7 +172,7 @@ def resolve_resume(cfg: PPOConfig) -> PPOConfig:
         logger.info("trainer.resume_from=latest: no checkpoint under %s, starting fresh", root)
         resolved = None
     else:
-        check_world_size(found, num_trainers=tr.placement.num_trainers)
+        check_resumable(found, strategy=tr.strategy, num_trainers=tr.placement.num_trainers)
         logger.info("trainer.resume_from=latest: resuming from %s", found.folder)
         resolved = str(found.folder)
     cfg = dataclasses.replace(cfg, trainer=dataclasses.replace(tr, resume_from=resolved))

@@ -1,10 +1,12 @@
-"""Resuming a checkpoint under another Megatron layout (TP, PP, VPP, EP or DP size).
+"""Resuming a checkpoint under another layout: Megatron's TP, PP, VPP, EP or DP size, or
+another number of FSDP ranks.
 
 Each rank file records where every one of its parameters sits in the whole model
-(``placement``, written by the backend: ``workers/megatron/placement.py``): a
-layout-free key (the Megatron name with the global layer number and the global expert
-index, no virtual-stage prefix) and, for a tensor-parallel shard, its partition dim, TP
-rank and TP size. A rank resuming under another layout reads every old rank file
+(``placement``, written by the backend: ``workers/megatron/placement.py``,
+``workers/fsdp/checkpoint.py``): a layout-free key (the Megatron name with the global
+layer number and the global expert index, no virtual-stage prefix; FSDP's: the HF
+parameter name) and, for a shard, its dim, rank and count (a TP shard; FSDP's dim-0
+shard, cut as ``utils/shards.py`` cuts). A rank resuming under another layout reads every old rank file
 (``torch.load(weights_only=True, mmap=True)``: only the pieces it uses are paged in),
 joins each of its parameters' whole tensor from the old shards and cuts its own shard
 from its own placement (``utils/shards.py``, the cut the HF weight loading uses).
@@ -12,7 +14,8 @@ AdamW's ``exp_avg`` and ``exp_avg_sq`` have their parameter's shape and are resh
 the same way; its ``step`` and hyperparameters are copied.
 
 The worker is reached only through its checkpoint pair (``Checkpointable``): what it
-saves, and a state of the same form to load.
+saves, and a state of the same form to load. A resume under another backend than
+the one that wrote the checkpoint is refused first (``runs/backend.py``).
 
 Why not megatron-core's ``dist_checkpointing``: its torch_dist backend reads the
 checkpoint's ``.metadata`` with ``pickle.load`` (torch.distributed.checkpoint's
@@ -36,6 +39,7 @@ from typing import Any, Protocol
 import torch
 
 from skyrl_train.errors import CheckpointError
+from skyrl_train.runs.backend import STRATEGY_KEY, UNNAMED_STRATEGY, StateMismatch, check_strategy
 from skyrl_train.runs.checkpoint import RESUME_KEY
 from skyrl_train.runs.rank_state import LAYOUT_DEFAULTS, RngState, checkpoint_file, read_rank_file
 from skyrl_train.utils.shards import cut_shard, join_shards
@@ -54,9 +58,10 @@ class Placement:
     """Layout-free: ``decoder.layers.<global layer>.mlp.experts.local_experts.<global
     expert>.linear_fc1.weight``, ``embedding.word_embeddings.weight``, ..."""
     dim: int
-    """The tensor-parallel partition dim (0 when the parameter is whole)."""
+    """The tensor-parallel partition dim (0 when the parameter is whole; FSDP's: 0)."""
     tp_rank: int
     tp_size: int
+    """Under FSDP, the rank's shard index and the shard count (``utils/shards.py``)."""
     gated: bool
     """A gated ``linear_fc1``: ``[gate_r; up_r]`` (``tensor_parallel.is_gated``)."""
 
@@ -70,12 +75,14 @@ class Checkpointable(Protocol):
         ``"model"``, the model's state dict (every parameter under its
         ``named_parameters`` name); ``"optimizer"``, the optimizer's (AdamW's, its state
         indexed in parameter order); and ``PLACEMENT_KEY``, one record per parameter in
-        that same order (``Placement`` fields and ``"name"``)."""
+        that same order (``Placement`` fields and ``"name"``); optionally
+        ``STRATEGY_KEY``, the backend's name."""
         ...
 
     def load_checkpoint_state(self, state: Mapping[str, Any]) -> None:
         """Load ``"model"`` and ``"optimizer"`` of a ``checkpoint_state`` of this layout
-        (its placement is not read)."""
+        (its placement is not read); may raise ``StateMismatch``, before changing
+        anything, for an entry that does not fit."""
         ...
 
 
@@ -87,6 +94,8 @@ class SavedLayout:
     layout: dict[str, Any]
     reshardable: bool
     """Its rank files record their placement (written since resharding was added)."""
+    strategy: str = UNNAMED_STRATEGY
+    """The backend that wrote it (``trainer.strategy``)."""
 
 
 def saved_layout(folder: Path) -> SavedLayout:
@@ -98,6 +107,7 @@ def saved_layout(folder: Path) -> SavedLayout:
         world_size=state.get("world_size"),
         layout=dict(layout) if isinstance(layout, dict) else {},
         reshardable=isinstance(state.get(PLACEMENT_KEY), list),
+        strategy=str(state.get(STRATEGY_KEY, UNNAMED_STRATEGY)),
     )
 
 
@@ -177,14 +187,17 @@ def load_resharded(
     # not a new dict: a state dict's ``_metadata`` (module versions) goes with it.
     model = copy.copy(own)
     model.update(weights)
-    worker.load_checkpoint_state(
+    _load(
+        worker,
         {
             "model": model,
             "optimizer": {
                 "state": {order.index(name): value for name, value in moments.items()},
                 "param_groups": [{**group, "params": list(range(len(order)))}],
             },
-        }
+            STRATEGY_KEY: states[0].get(STRATEGY_KEY, UNNAMED_STRATEGY),
+        },
+        folder,
     )
     if rng is not None:
         rng.restore()
@@ -328,13 +341,20 @@ def rank_checkpoint(
 
 
 def restore_rank(
-    folder: Path, worker: Checkpointable, *, rank: int, world_size: int, layout: dict[str, Any]
+    folder: Path,
+    worker: Checkpointable,
+    *,
+    rank: int,
+    world_size: int,
+    layout: dict[str, Any],
+    strategy: str | None = None,
 ) -> Resharded | None:
     """Restore a trainer rank from ``folder``: its own rank file when the checkpoint
     was written under this layout (None returned), else resharded (``load_resharded``).
 
     A checkpoint without placement records (written before resharding) goes the
-    same-layout way, whose checks refuse another layout naming the config key.
+    same-layout way, whose checks refuse another layout naming the config key. Given
+    this run's ``strategy``, a checkpoint another backend wrote is refused first.
     """
     from skyrl_train.runs.rank_state import load_rank_state
 
@@ -342,6 +362,8 @@ def restore_rank(
         saved: SavedLayout | None = saved_layout(folder)
     except CheckpointError:
         saved = None  # load_rank_state names what is wrong with the file
+    if saved is not None and strategy is not None:
+        check_strategy(folder, saved.strategy, strategy=strategy)
     if (
         saved is not None
         and saved.reshardable
@@ -352,6 +374,16 @@ def restore_rank(
     state = load_rank_state(folder, rank=rank, world_size=world_size, layout=layout)
     # Checked before anything is restored: a bad RNG field leaves the model as it was.
     rng = RngState.read(state, checkpoint_file(folder, rank))
-    worker.load_checkpoint_state(state)
+    _load(worker, state, checkpoint_file(folder, rank))
     rng.restore()
     return None
+
+
+def _load(worker: Checkpointable, state: Mapping[str, Any], source: Path) -> None:
+    """``worker.load_checkpoint_state(state)``, a ``StateMismatch`` named after ``source``."""
+    try:
+        worker.load_checkpoint_state(state)
+    except StateMismatch as exc:
+        raise CheckpointError(
+            RESUME_KEY, source, expected=f"{exc.where}: {exc.expected}", got=exc.got
+        ) from None

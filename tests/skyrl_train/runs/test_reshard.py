@@ -25,7 +25,7 @@ from skyrl_train.config.schema import OptimizerConfig
 from skyrl_train.errors import CheckpointError, ConfigValidationError
 from skyrl_train.runs.checkpoint import DRIVER_FILE, begin_save, commit_save, verify_resume
 from skyrl_train.runs.rank_state import checkpoint_file, read_plain, save_rank_state
-from skyrl_train.runs.reshard import PLACEMENT_KEY, saved_layout
+from skyrl_train.runs.reshard import PLACEMENT_KEY, restore_rank, saved_layout
 from skyrl_train.trainer.policy import PolicyTrainer
 from skyrl_train.utils.durable import write_file
 from skyrl_train.workers.megatron import MegatronPolicyWorker
@@ -201,3 +201,20 @@ def test_a_launch_refuses_another_world_size_for_files_without_placement(
         verify_resume(load_config([f"trainer.resume_from={again}"]))
     assert info.value.path == "trainer.placement.num_trainers"
     assert "predate resharding" in info.value.reason
+
+
+def test_a_megatron_checkpoint_is_refused_under_another_strategy_before_loading(
+    tmp_path: Path, trainers: tuple[PolicyTrainer, PolicyTrainer]
+) -> None:
+    trained, fresh = trainers
+    final = _save(tmp_path, trained, world_size=1, seed=0)
+    assert saved_layout(final).strategy == "megatron"  # its rank files name no backend
+    with pytest.raises(ConfigValidationError) as info:
+        verify_resume(load_config([f"trainer.resume_from={final}", "trainer.strategy=fsdp"]))
+    assert info.value.path == "trainer.strategy" and info.value.got == "'fsdp'"
+    assert info.value.expected == f"the checkpoint's strategy 'megatron' to resume {str(final)!r}"
+    before = {n: p.detach().clone() for n, p in fresh.worker.model.named_parameters()}
+    with pytest.raises(ConfigValidationError):
+        restore_rank(final, fresh.worker, rank=0, world_size=1, layout={}, strategy="fsdp")
+    after = dict(fresh.worker.model.named_parameters())
+    assert all(torch.equal(after[n], value) for n, value in before.items())
