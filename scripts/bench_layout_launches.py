@@ -68,8 +68,8 @@ def launch_layout(layout: str, *, steps: int, overrides: list[str], root: Path) 
             *LAYOUTS[layout],
             f"trainer.num_steps={steps}",
             "trainer.seed=0",
-            f"{MC}.moe_enable_routing_replay=true",
-            f"{MC}.routing_replay_source=rollout",
+            "trainer.policy.routing_replay.enabled=true",
+            "trainer.policy.routing_replay.source=rollout",
             "logging.plot=false",
             f"trainer.run_dir={run_dir}",
         ]

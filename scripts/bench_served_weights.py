@@ -200,7 +200,7 @@ def vllm_rows(root: Path, models: list[str], seeds: range) -> list[Row]:
             root / f"run-vllm-{model}-{seed}",
             f"{engine}.backend=vllm",
             f"{engine}.enable_return_routed_experts=false",
-            "trainer.policy.megatron_config.routing_replay_source=old_policy",
+            "trainer.policy.routing_replay.source=old_policy",
         )
         for label, env in (("healthy", {}), ("moe-bug", {DISABLE_MOE_FIX_ENV: "1"})):
             spec = VLLMServerSpec(

@@ -45,7 +45,7 @@ from skyrl_train.config.compose import load_config  # noqa: E402
 from skyrl_train.entrypoints.main_base import run  # noqa: E402
 from skyrl_train.utils.cpu_topology import cpu_model  # noqa: E402
 
-REPLAY_KEY = "trainer.policy.megatron_config.moe_enable_routing_replay"
+REPLAY_KEY = "trainer.policy.routing_replay.enabled"
 ALG = "trainer.algorithm"
 ARMS: dict[str, tuple[str, list[str]]] = {
     "r3": ("R3 on", [f"{REPLAY_KEY}=true"]),

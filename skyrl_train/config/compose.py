@@ -24,6 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from inference.models.tiny_moe import TinyMoEConfig
+from skyrl_train.config.routing_replay import resolve_routing_replay
 from skyrl_train.config.schema import PPOConfig
 from skyrl_train.errors import ConfigValidationError
 
@@ -74,7 +75,9 @@ def load_config(
 
 def parse_config(cfg: DictConfig | Mapping[str, Any]) -> PPOConfig:
     """A composed config (Hydra's ``DictConfig``, or a plain nested mapping of overrides
-    to the defaults) as ``PPOConfig``; types are checked by OmegaConf on the way."""
+    to the defaults) as ``PPOConfig``; types are checked by OmegaConf on the way. A
+    deprecated replay alias the config sets is moved into
+    ``trainer.policy.routing_replay`` with a warning (``routing_replay.py``)."""
     try:
         typed: Any = cfg
         if not (isinstance(cfg, DictConfig) and OmegaConf.get_type(cfg) is PPOConfig):
@@ -88,6 +91,7 @@ def parse_config(cfg: DictConfig | Mapping[str, Any]) -> PPOConfig:
         raise ConfigValidationError(f"model.builtin.{name}".rstrip("."), reason) from exc
     if not isinstance(obj, PPOConfig):
         raise ConfigValidationError("<root>", expected="the PPOConfig schema", got=str(type(obj)))
+    resolve_routing_replay(obj)  # the deprecated megatron_config replay keys, once
     return obj
 
 

@@ -25,7 +25,8 @@ from skyrl_train.config.schema import InferenceEngineConfig, PPOConfig, Sampling
 from skyrl_train.errors import ConfigValidationError
 
 _ENGINE = "generator.inference_engine"
-_SOURCE = "trainer.policy.megatron_config.routing_replay_source"
+_REPLAY = "trainer.policy.routing_replay"
+_SOURCE = f"{_REPLAY}.source"
 
 
 def check_engine_backend(cfg: PPOConfig) -> VLLMBuild | None:
@@ -82,16 +83,16 @@ def check_engine_backend(cfg: PPOConfig) -> VLLMBuild | None:
     build = _vllm_build(eng.vllm.python)
     if build.captures_routes:
         return build
-    mc = cfg.trainer.policy.megatron_config
+    replay = cfg.trainer.policy.routing_replay
     why = (
         f"route capture (R3) needs vLLM's Model Runner V2 and Triton, i.e. a GPU build, and "
         f"{_ENGINE}.vllm.python has {build}"
     )
-    if mc.moe_enable_routing_replay and mc.routing_replay_source == "rollout":
+    if replay.enabled and replay.source == "rollout":
         raise ConfigValidationError(
             _SOURCE,
             expected=f"old_policy (R2: the trainer's own routes) with {_ENGINE}.backend=vllm, "
-            f"or trainer.policy.megatron_config.moe_enable_routing_replay=false ({why})",
+            f"or {_REPLAY}.enabled=false ({why})",
             got="'rollout'",
         )
     if eng.enable_return_routed_experts:

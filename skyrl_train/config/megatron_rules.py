@@ -8,8 +8,12 @@
 - the tensor-parallel and pipeline layouts no launch test runs (``TESTED_*``,
   docs/parallel-layouts.md);
 - ``transformer_config_kwargs`` keys the pipeline sets itself or megatron-core lacks;
-- replay from the rollout needs the engine to return routes;
-- ``data_parallel_size``, what the batch sizes in ``validate.py`` divide by.
+- ``data_parallel_size``, the data-parallel ranks a Megatron layout leaves (what
+  ``strategy.data_parallel_size`` answers for this backend).
+
+The replay mode is backend-neutral (``routing_replay.py``, whose
+``check_routing_replay`` stays importable from here); these rules run only with
+``trainer.strategy=megatron`` (``validate.py``).
 
 The split is by backend: these rules read ``MegatronConfig``, so a second trainer backend
 (FSDP) gets its own rules file beside this one, while ``validate.py`` (the launch rules
@@ -28,6 +32,7 @@ from skyrl_train.config.megatron_unsupported import (
     MEGATRON_CONFIG_OWNED,
     refuse_replay_incompatible,
 )
+from skyrl_train.config.routing_replay import check_routing_replay, megatron_worker_config
 from skyrl_train.config.schema import MegatronConfig, PPOConfig
 from skyrl_train.errors import ConfigValidationError
 
@@ -47,6 +52,14 @@ _MODEL_OWNED = {
 }
 
 
+__all__ = [
+    "TESTED_EXPERT_TENSOR_SIZES",
+    "TESTED_TENSOR_PARALLEL",
+    "check_megatron",
+    "check_routing_replay",
+    "data_parallel_size",
+]
+
 TESTED_TENSOR_PARALLEL = 2
 """The one TP size launch tests run (tests/skyrl_train/entrypoints/
 test_main_base_tensor_parallel.py), on exactly that many ranks: TP=2 alone (ETP = TP)
@@ -55,25 +68,6 @@ and TP=2 x EP=2 with ETP=1, megatron-core's MoE parallel folding."""
 
 TESTED_EXPERT_TENSOR_SIZES = {1: TESTED_TENSOR_PARALLEL, 2: 1}
 """Expert size -> the expert tensor size tested with it at TP=2."""
-
-
-def check_routing_replay(cfg: PPOConfig) -> None:
-    """Replay from the rollout (R3) needs the engine to return the rollout's routes."""
-    # The reference policy swaps its weights into the policy's model (trainer.ref), so
-    # the policy's settings are the only ones to check.
-    prefix, mc = "trainer.policy.megatron_config", cfg.trainer.policy.megatron_config
-    if not mc.moe_enable_routing_replay:
-        return
-    rollout = mc.routing_replay_source == "rollout"
-    if rollout and not cfg.generator.inference_engine.enable_return_routed_experts:
-        raise ConfigValidationError(
-            f"{prefix}.moe_enable_routing_replay",
-            "replay from the rollout needs the rollout's routes, but "
-            "generator.inference_engine.enable_return_routed_experts is false "
-            f"({prefix}.routing_replay_source=old_policy replays the trainer's own)",
-        )
-    # The Megatron settings replay cannot honour are refused in check_megatron, after
-    # the layout arithmetic, so a layout that does not fit is named as such first.
 
 
 def check_megatron(cfg: PPOConfig, arch: MoEArchitecture, mc: MegatronConfig, prefix: str) -> None:
@@ -122,8 +116,10 @@ def check_megatron(cfg: PPOConfig, arch: MoEArchitecture, mc: MegatronConfig, pr
             )
         _divides(pp * vpp, arch.num_layers, key, "the layer count")
     # Before the passthrough's own checks: a VPP set there is refused as unproven
-    # with replay, naming the passthrough key.
-    refuse_replay_incompatible(mc, key_prefix=prefix)
+    # with replay, naming the passthrough key. With the run's replay mode, as the
+    # factory hands it to the worker (the aliases in mc are null by now).
+    replay = cfg.trainer.policy.routing_replay
+    refuse_replay_incompatible(megatron_worker_config(mc, replay), key_prefix=prefix)
     # After it: an expert tensor size megatron-core cannot honour is named with its
     # reason there, not as merely untested here.
     if tp > 1:

@@ -17,6 +17,7 @@ import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from skyrl_train.config.routing_replay import megatron_replay_enabled
 from skyrl_train.config.schema import MegatronConfig
 from skyrl_train.errors import ConfigValidationError
 
@@ -279,6 +280,7 @@ def refuse_replay_incompatible(
     settings = resolved
     if settings is None:
         top = {name: getattr(mc, name) for name in MEGATRON_CONFIG_OWNED}
+        top["moe_enable_routing_replay"] = megatron_replay_enabled(mc)  # null: on
         settings = {**top, **mc.transformer_config_kwargs}
     replay = bool(settings.get("moe_enable_routing_replay"))
     for rule in UNSUPPORTED_MEGATRON_SETTINGS:

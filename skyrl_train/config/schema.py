@@ -221,6 +221,25 @@ class GeneratorConfig:
 # --------------------------------------------------------------------------- trainer
 
 
+REPLAY_SOURCES = ("rollout", "old_policy")
+"""``trainer.policy.routing_replay.source``'s choices."""
+
+
+@dataclass
+class RoutingReplayConfig:
+    """Which expert selection the trainer's routers use, whichever backend trains
+    (``trainer.strategy``): replay a recorded one (R3 or R2), or route natively."""
+
+    enabled: bool = True
+    """Replay a recorded expert selection in the trainer's routers (see ``source``)."""
+    source: str = setting("rollout", choices=REPLAY_SOURCES)
+    """Where the replayed routes come from. ``rollout`` (R3): the inference engine's,
+    returned with each reply, so training routes every token as generation did.
+    ``old_policy`` (R2): the trainer's own, recorded in the step's old-logprob forward
+    and replayed in every mini-batch and epoch update, so the PPO ratio compares
+    policies under one routing; it needs no routes from the engine."""
+
+
 @dataclass
 class MegatronConfig:
     tensor_model_parallel_size: int = setting(1, ge=1)
@@ -233,14 +252,12 @@ class MegatronConfig:
     expert_tensor_parallel_size: int | None = setting(None, ge=1)
     """None means equal to ``tensor_model_parallel_size`` (Megatron's default)."""
     context_parallel_size: int = setting(1, ge=1)
-    moe_enable_routing_replay: bool = True
-    """Replay a recorded expert selection in the trainer's routers (see the source)."""
-    routing_replay_source: str = setting("rollout", choices=("rollout", "old_policy"))
-    """Where the replayed routes come from. ``rollout`` (R3): the inference engine's,
-    returned with each reply, so training routes every token as generation did.
-    ``old_policy`` (R2): the trainer's own, recorded in the step's old-logprob forward
-    and replayed in every mini-batch and epoch update, so the PPO ratio compares
-    policies under one routing; it needs no routes from the engine."""
+    moe_enable_routing_replay: bool | None = None
+    """Deprecated alias of ``trainer.policy.routing_replay.enabled``; null: not set. Set,
+    it is copied there at composition with a warning (``config.routing_replay``). A
+    worker built in Python with it null replays, the old default."""
+    routing_replay_source: str | None = setting(None, choices=REPLAY_SOURCES)
+    """Deprecated alias of ``trainer.policy.routing_replay.source``; null: not set."""
     transformer_config_kwargs: dict[str, Any] = field(default_factory=dict)
     """Passed through to megatron-core's ``TransformerConfig``; keys must be its fields."""
 
@@ -285,6 +302,7 @@ class OptimizerConfig:
 @dataclass
 class PolicyConfig:
     optimizer_config: OptimizerConfig = field(default_factory=OptimizerConfig)
+    routing_replay: RoutingReplayConfig = field(default_factory=RoutingReplayConfig)
     megatron_config: MegatronConfig = field(default_factory=MegatronConfig)
     fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
 

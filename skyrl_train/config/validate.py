@@ -12,9 +12,11 @@ whichever backends run: the model, the generator, the environment, the data, the
 (run folder, resume, algorithm, placement) and the batch sizes (over the data-parallel
 size the backend's layout leaves). The rules of one side
 are in their own modules: ``engine_rules.py`` (inference engines, sampling parameters),
-``megatron_rules.py`` and ``megatron_unsupported.py`` (the Megatron trainer backend; a
-second backend, FSDP, gets its own rules file beside them), and ``sampler_replay.py``,
-``off_policy.py`` and ``remote_servers.py``. Names other code imports from here stay
+``megatron_rules.py`` and ``megatron_unsupported.py`` (the Megatron trainer backend,
+run only with ``trainer.strategy=megatron``), ``strategy.py`` (the other backend's keys,
+the data-parallel size per backend), ``routing_replay.py`` (the replay mode and its
+deprecated aliases), and ``sampler_replay.py``, ``off_policy.py`` and
+``remote_servers.py``. Names other code imports from here stay
 importable (``__all__``).
 """
 
@@ -37,8 +39,6 @@ from skyrl_train.config.megatron_rules import (
     TESTED_EXPERT_TENSOR_SIZES,
     TESTED_TENSOR_PARALLEL,
     check_megatron,
-    check_routing_replay,
-    data_parallel_size,
 )
 from skyrl_train.config.megatron_unsupported import (
     PROVEN_VPP_WITH_REPLAY,
@@ -48,8 +48,10 @@ from skyrl_train.config.megatron_unsupported import (
 from skyrl_train.config.model_source import model_architecture
 from skyrl_train.config.off_policy import check_fully_async_correction, check_off_policy_correction
 from skyrl_train.config.remote_servers import check_remote_support_cap
+from skyrl_train.config.routing_replay import check_routing_replay, resolve_routing_replay
 from skyrl_train.config.sampler_replay import check_sampler_replay
 from skyrl_train.config.schema import DATA_SUFFIXES, ModelConfig, PPOConfig
+from skyrl_train.config.strategy import check_strategy_keys, data_parallel_size
 from skyrl_train.errors import ConfigValidationError
 from skyrl_train.runs.folder import LATEST, check_run_dir, check_run_dir_path
 from skyrl_train.utils.tracking import check_trackers
@@ -76,12 +78,19 @@ def validate_cfg(cfg: PPOConfig | Mapping[str, Any], *, evaluation: bool = False
     (the command scores ``model.path``, never a trainer checkpoint). Nor do the rules
     for scoring rollouts in the trainer (``sampler_replay``: greedy sampling, a trainer
     temperature, kept sets) or the remote servers' kept-set cap.
+
+    A ``PPOConfig`` is resolved in place first: the deprecated replay aliases are moved
+    into ``trainer.policy.routing_replay`` (``routing_replay.resolve_routing_replay``).
     """
     if not isinstance(cfg, PPOConfig):
         from skyrl_train.config.compose import parse_config
 
         cfg = parse_config(cfg)
     check_constraints(cfg)
+    # A config built in Python was never composed: its replay aliases are resolved
+    # here (in place), then a key of the backend this run does not use is refused.
+    resolve_routing_replay(cfg)
+    check_strategy_keys(cfg)
     # Before the replay checks: with vLLM's CPU build the way out of R3 is R2, and
     # that should be the first thing a vLLM launch with the defaults is told.
     build = check_engine_backend(cfg)
@@ -96,7 +105,10 @@ def validate_cfg(cfg: PPOConfig | Mapping[str, Any], *, evaluation: bool = False
     _check_environment(cfg)
     _check_data(cfg)
     _check_trainer(cfg, evaluation=evaluation)
-    check_megatron(cfg, arch, cfg.trainer.policy.megatron_config, "trainer.policy.megatron_config")
+    if cfg.trainer.strategy == "megatron":
+        check_megatron(
+            cfg, arch, cfg.trainer.policy.megatron_config, "trainer.policy.megatron_config"
+        )
     _check_batch_sizes(cfg)
     check_trackers(cfg.logging.trackers)
     if not evaluation:
@@ -236,7 +248,7 @@ def _check_trainer(cfg: PPOConfig, *, evaluation: bool) -> None:
 
 def _check_batch_sizes(cfg: PPOConfig) -> None:
     tr, n = cfg.trainer, cfg.generator.n_samples_per_prompt
-    dp = data_parallel_size(tr.policy.megatron_config, world=tr.placement.num_trainers)
+    dp = data_parallel_size(tr)
     if tr.train_batch_size % tr.policy_mini_batch_size:
         raise ConfigValidationError(
             "trainer.policy_mini_batch_size",

@@ -218,7 +218,7 @@ class GRPOLoop:
             self._probe_ids = served_weights.probe_prompts(
                 renderer.initial(task.prompt) for task in self.datasets.train
             )
-        eng, mc = self.cfg.generator.inference_engine, self.cfg.trainer.policy.megatron_config
+        eng, mode = self.cfg.generator.inference_engine, self.cfg.trainer.policy.routing_replay
         checks = await served_weights.check_served_weights(
             clients,
             self.server_urls,
@@ -228,7 +228,7 @@ class GRPOLoop:
             policy_version=policy_version,
             tolerance=eng.verify_weights_tolerance,
             # Engine routes replayed: the bound then compares weights, not routing.
-            routes=eng.enable_return_routed_experts and mc.moe_enable_routing_replay,
+            routes=eng.enable_return_routed_experts and mode.enabled,
         )
         metrics = served_weights.check_metrics(checks)
         metrics["timing/verify_weights_s"] = time.perf_counter() - started

@@ -109,6 +109,7 @@ class PolicyTrainer:
         self.worker = build_worker(
             cfg,
             architecture=inspect_checkpoint(self.checkpoint).architecture,
+            checkpoint=self.checkpoint,
             pad_token_id=self.pad_token_id,
             rank=rank,
             world_size=world_size,
@@ -147,14 +148,14 @@ class PolicyTrainer:
         Raises ``NonFiniteError`` on a NaN/inf loss, grad norm or parameter, so the
         driver never pushes such weights (``finite.py``).
         """
-        t, mc = self.cfg.trainer, self.cfg.trainer.policy.megatron_config
+        t, mode = self.cfg.trainer, self.cfg.trainer.policy.routing_replay
         if batch.advantages is None:
             raise ValueError("advantages: expected [B, R] advantages set on the batch, got None")
         has_routes = batch.routed_experts is not None
         # R2 records in the old-logprob forward (native routing) what R3 takes from the
         # rollout; either way the updates below replay one fixed selection.
-        r2 = mc.moe_enable_routing_replay and mc.routing_replay_source == "old_policy"
-        replay = has_routes and mc.moe_enable_routing_replay and not r2
+        r2 = mode.enabled and mode.source == "old_policy"
+        replay = has_routes and mode.enabled and not r2
         as_trained = self.worker.forward(
             batch,
             micro_batch_size=t.micro_forward_batch_size_per_gpu,

@@ -26,6 +26,7 @@ import torch
 
 from skyrl_train.config.compose import config_to_dict
 from skyrl_train.config.schema import PPOConfig
+from skyrl_train.config.strategy import backend_node
 from skyrl_train.dataset.batch import TrainingBatch
 from skyrl_train.runs.checkpoint import RUN_CONFIG_FILE
 from skyrl_train.runs.export import (
@@ -266,10 +267,11 @@ def rank_bundles(bundle_nodes: Mapping[int, str], *, first_node: str) -> list[in
 
 def run_config_record(cfg: PPOConfig) -> bytes:
     """``RUN_CONFIG_FILE``'s bytes: the sections that build the policy ranks
-    (``model``, ``trainer.seed``, ``trainer.placement``,
-    ``trainer.policy.megatron_config``), its paths made absolute. Only these:
-    ``ray.runtime_env`` may hold secrets."""
+    (``model``, ``trainer.seed``, ``trainer.strategy``, ``trainer.placement`` and the
+    backend's node, ``trainer.policy.megatron_config`` or ``fsdp_config``), its paths
+    made absolute. Only these: ``ray.runtime_env`` may hold secrets."""
     full = config_to_dict(cfg)
+    node, _value = backend_node(cfg.trainer)
     model = full["model"]
     for key in ("path", "cache_dir"):  # the export may run from another folder
         if model.get(key):
@@ -279,8 +281,9 @@ def run_config_record(cfg: PPOConfig) -> bytes:
         "model": model,
         "trainer": {
             "seed": trainer["seed"],
+            "strategy": trainer["strategy"],
             "placement": trainer["placement"],
-            "policy": {"megatron_config": trainer["policy"]["megatron_config"]},
+            "policy": {node: trainer["policy"][node]},
         },
     }
     return json.dumps(record, indent=1).encode() + b"\n"

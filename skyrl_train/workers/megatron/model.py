@@ -37,8 +37,10 @@ import torch.nn.functional as F
 
 from inference.models.architecture import MoEArchitecture
 from skyrl_train.config import refuse_replay_incompatible
+from skyrl_train.config.routing_replay import megatron_replay_enabled
 from skyrl_train.config.schema import MegatronConfig
 from skyrl_train.errors import ConfigValidationError
+from skyrl_train.utils.distributed import init_distributed as join_process_group
 from skyrl_train.workers.megatron.cpu_compat import apply_cpu_compat, cpu_compat_needed
 
 MEGATRON_CONFIG_KEY = "trainer.policy.megatron_config"
@@ -77,7 +79,7 @@ def transformer_config_kwargs(arch: MoEArchitecture, mc: MegatronConfig) -> dict
         moe_grouped_gemm=False,
         moe_router_fusion=False,
         moe_permute_fusion=False,
-        moe_enable_routing_replay=mc.moe_enable_routing_replay,
+        moe_enable_routing_replay=megatron_replay_enabled(mc),
         normalization="RMSNorm",
         layernorm_epsilon=arch.rms_norm_eps,
         gated_linear_unit=True,
@@ -163,20 +165,10 @@ def build_transformer_config(arch: MoEArchitecture, mc: MegatronConfig) -> Any:
 
 
 def init_distributed(*, rank: int, world_size: int, init_method: str) -> None:
-    """Join torch.distributed's default group: gloo on CPU, nccl with CUDA.
-
-    ``init_method`` is a torch rendezvous URL (``file://``, ``tcp://``, ``env://``);
-    a world of one uses an in-process store whatever it says: no port to pick, so
-    nothing to race other processes for (a free-port probe can be taken before gloo
-    binds it).
-    """
+    """Apply the CPU shim, then join torch.distributed's default group
+    (``utils.distributed.init_distributed``: gloo on CPU, nccl with CUDA)."""
     apply_cpu_compat()
-    dist = torch.distributed
-    backend = "gloo" if cpu_compat_needed() else "nccl"
-    if world_size == 1:
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-    else:
-        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size)
+    join_process_group(rank=rank, world_size=world_size, init_method=init_method)
 
 
 def init_parallel_state(mc: MegatronConfig, *, seed: int) -> None:

@@ -32,6 +32,7 @@ from inference.models.architecture import MoEArchitecture
 from skyrl_train.algorithms import optim
 from skyrl_train.algorithms.mismatch import RouterAgreement, router_agreement
 from skyrl_train.config.constraints import check_constraints
+from skyrl_train.config.routing_replay import megatron_replay_enabled
 from skyrl_train.config.schema import MegatronConfig, OptimizerConfig
 from skyrl_train.dataset.batch import TrainingBatch, batch_to, slice_batch
 from skyrl_train.errors import ConfigValidationError, RouteReplayError
@@ -400,7 +401,7 @@ class MegatronPolicyWorker:
         routers = self._require_routers()
         if replay_routes is None:
             replay_routes = (
-                self.megatron_config.moe_enable_routing_replay and batch.routed_experts is not None
+                megatron_replay_enabled(self.megatron_config) and batch.routed_experts is not None
             )
         if not replay_routes:
             return False

@@ -68,7 +68,10 @@ def test_yaml_defaults_equal_dataclass_defaults() -> None:
     cfg = load_config()
     assert cfg == PPOConfig()
     assert cfg.generator.inference_engine.enable_return_routed_experts is True
-    assert cfg.trainer.policy.megatron_config.moe_enable_routing_replay is True
+    assert cfg.trainer.policy.routing_replay.enabled is True
+    assert cfg.trainer.policy.routing_replay.source == "rollout"
+    # The deprecated aliases default to null: not set (config.routing_replay).
+    assert cfg.trainer.policy.megatron_config.moe_enable_routing_replay is None
     assert cfg.trainer.policy.megatron_config.virtual_pipeline_model_parallel_size is None
     assert cfg.trainer.policy.optimizer_config.adam_betas == [0.9, 0.999]
 

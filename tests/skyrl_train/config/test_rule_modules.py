@@ -11,7 +11,14 @@ from types import ModuleType
 import pytest
 
 import skyrl_train.config
-from skyrl_train.config import engine_rules, megatron_rules, megatron_unsupported, validate
+from skyrl_train.config import (
+    engine_rules,
+    megatron_rules,
+    megatron_unsupported,
+    routing_replay,
+    strategy,
+    validate,
+)
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -28,7 +35,7 @@ def _size_limit() -> int:
 
 @pytest.mark.parametrize(
     "module",
-    [validate, engine_rules, megatron_rules, megatron_unsupported],
+    [validate, engine_rules, megatron_rules, megatron_unsupported, routing_replay, strategy],
     ids=lambda m: m.__name__,
 )
 def test_each_rule_module_is_within_the_size_limit(module: ModuleType) -> None:

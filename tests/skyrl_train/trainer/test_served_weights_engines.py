@@ -54,7 +54,7 @@ class Setup:
         )
         cfg = load_config([f"model.path={self.folder}", f"trainer.run_dir={root / 'run'}"])
         assert cfg.generator.inference_engine.enable_return_routed_experts  # R3 defaults
-        assert cfg.trainer.policy.megatron_config.moe_enable_routing_replay
+        assert cfg.trainer.policy.routing_replay.enabled
         info = inspect_folder(self.folder)
         self.pad = info.pad_token_id
         self.trainer = PolicyTrainer(cfg, checkpoint=str(self.folder), pad_token_id=self.pad)

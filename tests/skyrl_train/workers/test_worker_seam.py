@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from skyrl_train.config.schema import PPOConfig
 from skyrl_train.runs.reshard import Checkpointable
 from skyrl_train.workers.base import PolicyWorker
 from skyrl_train.workers.factory import STRATEGIES, build_worker
@@ -57,6 +58,10 @@ def test_the_check_sees_a_reach_past_the_protocol(tmp_path: Path) -> None:
 
 
 def test_an_unknown_backend_is_refused_naming_the_known_ones() -> None:
-    assert STRATEGIES == ("megatron",)
-    with pytest.raises(ValueError, match=r"strategy: expected one of megatron, got 'fsdp'"):
-        build_worker(None, architecture=None, pad_token_id=0, strategy="fsdp")  # type: ignore[arg-type]
+    assert STRATEGIES == ("megatron", "fsdp")
+    cfg = PPOConfig()
+    cfg.trainer.strategy = "deepspeed"  # a config that skipped validation (its choices)
+    with pytest.raises(
+        ValueError, match=r"^trainer.strategy: expected one of megatron, fsdp, got 'deepspeed'"
+    ):
+        build_worker(cfg, architecture=None, checkpoint="", pad_token_id=0)  # type: ignore[arg-type]
