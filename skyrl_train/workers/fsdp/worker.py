@@ -186,15 +186,20 @@ class FSDPPolicyWorker:
     # ---- checkpoints (runs/reshard.py's Checkpointable) -------------------------------
 
     def checkpoint_state(self) -> dict[str, Any]:
-        """The model's and AdamW's state dicts of this rank (its shards), for a resume
-        on the same layout (``fsdp/state.py``)."""
+        """This rank's shards of the model and AdamW as plain data, with their
+        placement records and the backend's name (``fsdp/checkpoint.py``)."""
+        from skyrl_train.workers.fsdp import checkpoint
+
         assert self.optimizer is not None
-        return state.checkpoint_state(self._require_model(), self.optimizer)
+        return checkpoint.checkpoint_state(self._require_model(), self.optimizer)
 
     def load_checkpoint_state(self, saved: Mapping[str, Any]) -> None:
-        """Load a ``checkpoint_state`` of this layout."""
+        """Load a ``checkpoint_state`` of this layout, or one ``runs/reshard.py`` cut
+        for it from another number of ranks (``fsdp/checkpoint.py``)."""
+        from skyrl_train.workers.fsdp import checkpoint
+
         assert self.optimizer is not None
-        state.load_checkpoint_state(self._require_model(), self.optimizer, saved)
+        checkpoint.load_checkpoint_state(self._require_model(), self.optimizer, saved)
 
     def rank_info(self) -> RankInfo:
         """Every rank is a data-parallel rank (one shard group over the world)."""
