@@ -18,7 +18,7 @@ from _step_checks import clipped_grads, steady_worst
 
 from inference.models.checkpoint import builtin_checkpoint
 from inference.models.tiny_moe import TinyMoEConfig
-from skyrl_train.config.schema import OptimizerConfig
+from skyrl_train.config.schema import FSDPConfig, OptimizerConfig
 from skyrl_train.dataset.batch import TrainingBatch, slice_batch
 from skyrl_train.errors import RouteReplayError
 from skyrl_train.trainer.policy import checkpoint_weights
@@ -153,6 +153,36 @@ def test_checkpoint_state_round_trips_and_swapped_weights_restore(fresh, hf_stat
     assert torch.equal(fsdp.forward(batch, micro_batch_size=MICRO).logprobs, policy)
 
 
+def test_activation_checkpointing_and_gathered_layers_change_nothing(
+    fresh, checkpoint, hf_state
+) -> None:
+    """``fsdp_config``'s two memory keys: a recomputed layer replays the same ids and is
+    not captured twice, and a layer kept gathered after a forward still sees weights
+    written after it."""
+    _, fsdp = fresh
+    config = FSDPConfig(activation_checkpointing=True, reshard_after_forward=False)
+    other = build_fsdp(checkpoint, ARCH, optimizer=OPT, pad_token_id=PAD_ID, fsdp_config=config)
+    batch = layout_batch(ARCH, vocab=CFG.vocab_size, seed=9)
+    # Other weights through a forward (which gathers the layers and keeps them), then
+    # the checkpoint's: the second load must reach the shards the step updates.
+    other.load_weights((n, t * 1.01) for n, t in hf_state.items())
+    other.forward(batch, micro_batch_size=MICRO)
+    other.load_weights(hf_state.items())
+    own = other.forward(batch, micro_batch_size=MICRO).logprobs
+    moved = {n: p.detach() * 1.01 for n, p in other.named_parameters()}
+    with other.swapped_weights(moved):
+        assert _close(other.forward(batch, micro_batch_size=MICRO).logprobs, own) > 1e-4
+    assert torch.equal(other.forward(batch, micro_batch_size=MICRO).logprobs, own)
+    kwargs = dict(loss_fn=_loss, micro_batch_size=MICRO, entropy=True, capture_routes=True)
+    want = fsdp.train_step(batch, **kwargs)
+    got = other.train_step(batch, **kwargs)
+    assert got.routes is not None and torch.equal(got.routes, want.routes)
+    assert abs(got.loss - want.loss) <= 1e-6
+    assert abs(got.grad_norm - want.grad_norm) <= TOL * want.grad_norm
+    want_grads, got_grads = clipped_grads(fsdp), clipped_grads(other)
+    assert max(_close(got_grads[n], want_grads[n]) for n in want_grads) <= TOL
+
+
 def _clone(value):
     if isinstance(value, dict):
         return {k: _clone(v) for k, v in value.items()}
@@ -200,11 +230,21 @@ def _rank_main(rank: int, rendezvous: str, checkpoint: str) -> None:
         "gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=WORLD
     )
     try:
-        worker = build_fsdp(Path(checkpoint), ARCH, optimizer=OPT, pad_token_id=PAD_ID)
+        # The memory keys off their defaults: the sums must not depend on them.
+        config = FSDPConfig(activation_checkpointing=True, reshard_after_forward=False)
+        worker = build_fsdp(
+            Path(checkpoint), ARCH, optimizer=OPT, pad_token_id=PAD_ID, fsdp_config=config
+        )
         assert worker.sharded and worker.rank_info().dp_size == WORLD
         shard = slice_batch(batch, 2 * rank, 2 * rank + 2)
         lp = worker.forward(shard, micro_batch_size=1).logprobs
         assert _close(lp, ref_lp[2 * rank : 2 * rank + 2]) <= TOL
+        # Layers kept gathered after that forward must still see weights written to
+        # their shards after it (the reference policy's swap).
+        moved = {n: p.detach() * 1.01 for n, p in worker.named_parameters()}
+        with worker.swapped_weights(moved):
+            assert _close(worker.forward(shard, micro_batch_size=1).logprobs, lp) > 1e-4
+        assert torch.equal(worker.forward(shard, micro_batch_size=1).logprobs, lp)
         got = worker.train_step(shard, **loss)
         mean_loss = torch.tensor(got.loss, dtype=torch.float64)
         torch.distributed.all_reduce(mean_loss)
