@@ -12,6 +12,7 @@ Three experts over two ranks shard 2 + 1, so the uneven chunking is resharded to
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from collections.abc import Iterator
@@ -59,8 +60,8 @@ class _Rank:
     """One FSDP rank's model and AdamW with the backend's checkpoint pair (what
     ``FSDPPolicyWorker`` delegates to)."""
 
-    def __init__(self, *, seed: int) -> None:
-        self.model: Any = build_hf_model(CFG, seed=seed).train()
+    def __init__(self, *, seed: int, config: TinyMoEConfig = CFG) -> None:
+        self.model: Any = build_hf_model(config, seed=seed).train()
         shard_model(self.model, FSDPConfig())
         self.optimizer = build_optimizer(self.model.parameters(), OptimizerConfig(lr=LR))
 
@@ -191,6 +192,20 @@ def test_a_checkpoint_before_the_first_step_keeps_adamw_unstepped(
     _restore(folder, fresh, rank=0, world_size=1)
     assert not fresh.optimizer.state
     _assert_equal_weights(fresh, ranked)
+
+
+def test_tied_embeddings_are_saved_once_and_stay_tied(group: None, tmp_path: Path) -> None:
+    tied = dataclasses.replace(CFG, tie_word_embeddings=True)
+    ranked = _Rank(seed=0, config=tied)
+    ranked.step(0)
+    folder = _save(tmp_path, ranked, rank=0, world_size=1, step=1)
+    saved = read_plain(checkpoint_file(folder, 0))["model"]
+    assert "model.embed_tokens.weight" in saved and "lm_head.weight" not in saved
+    fresh = _Rank(seed=5, config=tied)
+    fresh.step(0)
+    _restore(folder, fresh, rank=0, world_size=1)
+    _assert_equal(fresh.local(), ranked.local())
+    assert fresh.model.lm_head.weight is fresh.model.model.embed_tokens.weight
 
 
 def _assert_equal_weights(got: _Rank, want: _Rank) -> None:
@@ -383,7 +398,7 @@ def trained_worker(group: None, tmp_path_factory: pytest.TempPathFactory) -> tup
 def test_the_worker_saves_and_resumes_through_its_checkpoint_pair(
     trained_worker: tuple[Any, Path], tmp_path: Path
 ) -> None:
-    from _fsdp_pairs import build_fsdp
+    from _fsdp_pairs import build_fsdp, layout_batch
     from _megatron_batches import PAD_ID
 
     worker, source = trained_worker
@@ -396,6 +411,16 @@ def test_the_worker_saves_and_resumes_through_its_checkpoint_pair(
         _flat(fresh.model, fresh.optimizer, _local), _flat(worker.model, worker.optimizer, _local)
     )
     assert fresh.scheduled_lr() == worker.scheduled_lr()
+    # The next train_step is the uninterrupted worker's.
+    batch = layout_batch(worker.architecture, vocab=TinyMoEConfig().vocab_size, seed=1)
+    steps = [
+        w.train_step(batch, loss_fn=lambda lp, mb: -lp.sum(), micro_batch_size=2)
+        for w in (worker, fresh)
+    ]
+    assert (steps[0].loss, steps[0].grad_norm) == (steps[1].loss, steps[1].grad_norm)
+    _assert_equal(
+        _flat(fresh.model, fresh.optimizer, _local), _flat(worker.model, worker.optimizer, _local)
+    )
 
 
 def test_the_hf_export_loads_in_transformers_and_generates_what_the_fsdp_model_does(
