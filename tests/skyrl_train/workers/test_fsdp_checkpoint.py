@@ -8,6 +8,8 @@ One rank runs in this process (a gloo world of one). The two-rank checks run in 
 spawn of two gloo ranks: the one-rank checkpoint resumed on two ranks, a two-rank round
 trip and resume, and a two-rank checkpoint that this process then resumes on one rank.
 Three experts over two ranks shard 2 + 1, so the uneven chunking is resharded too.
+Last, ``FSDPPolicyWorker`` itself: saved and resumed by a trainer rank
+(``PolicyTrainer``), and its HF export loaded in transformers.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from skyrl_train.runs.export import write_hf_export
 from skyrl_train.runs.folder import CHECKPOINTS_DIR, resolve_resume
 from skyrl_train.runs.rank_state import checkpoint_file, read_plain, save_rank_state
 from skyrl_train.runs.reshard import PLACEMENT_KEY, rank_checkpoint, restore_rank
+from skyrl_train.trainer.policy import PolicyTrainer
 from skyrl_train.utils.durable import write_file
 from skyrl_train.workers.fsdp import checkpoint as fsdp_checkpoint
 from skyrl_train.workers.fsdp.model import shard_model
@@ -395,18 +398,28 @@ def trained_worker(group: None, tmp_path_factory: pytest.TempPathFactory) -> tup
     return worker, source
 
 
-def test_the_worker_saves_and_resumes_through_its_checkpoint_pair(
+def _trainer(cfg: Any, source: Path, worker: Any) -> PolicyTrainer:
+    trainer = PolicyTrainer(cfg, checkpoint=str(source), pad_token_id=0)
+    trainer.worker = worker
+    return trainer
+
+
+def test_a_trainer_rank_saves_and_resumes_the_fsdp_worker(
     trained_worker: tuple[Any, Path], tmp_path: Path
 ) -> None:
     from _fsdp_pairs import build_fsdp, layout_batch
     from _megatron_batches import PAD_ID
 
     worker, source = trained_worker
-    folder = _save(tmp_path, worker, rank=0, world_size=1, step=STEPS)
+    cfg = load_config([f"trainer.run_dir={tmp_path}", "trainer.strategy=fsdp"])
+    temp = begin_save(tmp_path / "checkpoints", step=STEPS)
+    _trainer(cfg, source, worker).save_checkpoint(str(temp))
+    write_file(temp / DRIVER_FILE, json.dumps({"step": STEPS, "world_size": 1}).encode())
+    folder = commit_save(temp, step=STEPS)
     fresh = build_fsdp(
         source, worker.architecture, optimizer=OptimizerConfig(lr=LR), pad_token_id=PAD_ID
     )
-    assert _restore(folder, fresh, rank=0, world_size=1) is None
+    _trainer(cfg, source, fresh).load_checkpoint(str(folder))
     _assert_equal(
         _flat(fresh.model, fresh.optimizer, _local), _flat(worker.model, worker.optimizer, _local)
     )
