@@ -3,7 +3,7 @@
     python scripts/compare_r3.py [--seeds 3] [--steps N] [--arms r3,no_r3,gspo]
                                  [--png compare_r3.png] [--json] [--histories FILE]
                                  [--resume | --replot] [--bar 0.5 --max-drop 0.1]
-                                 [hydra overrides ...]
+                                 [--strategy megatron|fsdp] [hydra overrides ...]
 
 Each arm runs the embedded default (plus the overrides) once per seed
 (``trainer.seed`` = 0, 1, ...: prompts and sampling change, the model does not); every
@@ -21,6 +21,8 @@ each arm's train reward and eval success per step (mean over seeds, min..max sha
 Then each seed's final and best greedy eval reward, checked against ``--bar`` (the
 final value) and ``--max-drop`` (final below the seed's own best); the exit status is
 1 when a seed fails, so ``--seeds 5 --arms r3`` is the default recipe's robustness check.
+``--strategy`` picks the trainer backend (``trainer.strategy``; the config's by default),
+so ``--seeds 5 --strategy fsdp`` is the same check on the FSDP backend.
 ``--histories`` keeps every run's metrics as it finishes; ``--resume`` reruns only
 the runs it lacks (a crash, or code edited under a running comparison, costs one run).
 """
@@ -42,6 +44,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from skyrl_train.config.compose import load_config  # noqa: E402
+from skyrl_train.config.schema import STRATEGIES  # noqa: E402
 from skyrl_train.entrypoints.main_base import run  # noqa: E402
 from skyrl_train.utils.cpu_topology import cpu_model  # noqa: E402
 
@@ -250,6 +253,12 @@ def main() -> None:
         help="per-seed check: final eval at most this far below the seed's own best",
     )
     parser.add_argument(
+        "--strategy",
+        choices=STRATEGIES,
+        default=None,
+        help="the trainer backend (trainer.strategy); default: the config's",
+    )
+    parser.add_argument(
         "--resume",
         action="store_true",
         help="keep the runs already in --histories (same overrides) and run the rest",
@@ -263,6 +272,9 @@ def main() -> None:
     # The launch logs each step through ``logging`` (the CLI sets up its console itself).
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     steps = [f"trainer.num_steps={args.steps}"] if args.steps else []
+    if args.strategy is not None:
+        # In the overrides, so the title, the JSON and a --resume all name the backend.
+        overrides = [f"trainer.strategy={args.strategy}", *overrides]
     if args.replot:
         if args.histories is None:
             parser.error("--replot: expected --histories FILE")

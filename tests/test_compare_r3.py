@@ -75,3 +75,26 @@ def test_replot_exits_1_when_a_seed_fails(tmp_path: Path) -> None:
         timeout=120,
     )
     assert passing.returncode == 0, passing.stderr
+
+
+def test_strategy_runs_every_arm_on_that_backend(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    compare = _module()
+    seen: list[tuple[str, bool]] = []
+
+    def fake_run(cfg):  # type: ignore[no-untyped-def]
+        seen.append((cfg.trainer.strategy, cfg.trainer.policy.routing_replay.enabled))
+        return _history({1: 0.6}, steps=1)
+
+    monkeypatch.setattr(compare, "run", fake_run)
+    argv = ["compare_r3.py", "--seeds", "2", "--arms", "r3,no_r3", "--strategy", "fsdp"]
+    monkeypatch.setattr(sys, "argv", [*argv, "--png", str(tmp_path / "c.png"), "--json"])
+    compare.main()
+    assert seen == [("fsdp", True), ("fsdp", False)] * 2
+    out = capsys.readouterr().out  # each run's "done:" line, then the JSON
+    assert json.loads(out[out.index("\n{") :])["overrides"] == ["trainer.strategy=fsdp"]
+    monkeypatch.setattr(sys, "argv", [*argv[:-1], "tpu"])
+    with pytest.raises(SystemExit):
+        compare.main()
+    assert "--strategy: invalid choice: 'tpu'" in capsys.readouterr().err
