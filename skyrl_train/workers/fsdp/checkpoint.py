@@ -207,13 +207,13 @@ def _optimizer_state(
 
 
 def _plain(value: Any) -> Any:
-    """A tensor or DTensor as the rank's own plain tensor, in a storage of its own
+    """A tensor or DTensor as the rank's own plain CPU tensor, in a storage of its own
     (FSDP2's local shard can be a view into its padded buffer, which torch.save would
-    write whole); anything else as it is."""
+    write whole; on CPU, a file reads back on any machine); anything else as it is."""
     if isinstance(value, DTensor):
         value = value.to_local()
     if isinstance(value, torch.Tensor):
-        return value.detach().clone()
+        return value.detach().to("cpu", copy=True)
     return value
 
 
