@@ -3,9 +3,9 @@
 on each MoE layer's gate.
 
 Modules: ``model`` (the model from a checkpoint folder, and its sharding), ``state``
-(shards in and out: weight load and export, the gradient norm, a rank's checkpoint),
-``replay`` (the gate hooks: replayed ids, captured routes), ``worker`` (the public
-worker). Nothing in this package imports megatron.
+(shards in and out: weight load and export, the gradient norm), ``checkpoint`` (a
+rank's checkpoint), ``replay`` (the gate hooks: replayed ids, captured routes),
+``worker`` (the public worker). Nothing in this package imports megatron.
 """
 
 from skyrl_train.workers.fsdp.worker import FSDPPolicyWorker

@@ -1,5 +1,6 @@
 """The FSDP worker's parameters and gradients as shards: loading whole tensors into
-them, gathering them back, the global gradient norm, and a rank's checkpoint.
+them, gathering them back, and the global gradient norm (a rank's checkpoint is
+``fsdp/checkpoint.py``).
 
 Under FSDP2 every parameter and gradient is a ``DTensor`` sharded on dim 0 over the
 mesh (``Shard(0)``); unsharded (no process group) they are plain tensors, and each
@@ -9,8 +10,8 @@ helper here takes both.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 
 import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
@@ -35,6 +36,34 @@ def copy_params_(params: Mapping[str, torch.Tensor], values: Mapping[str, torch.
     with torch.no_grad():
         for name, param in params.items():
             param.copy_(values[name])
+
+
+@contextmanager
+def copied_in(
+    params: Mapping[str, torch.Tensor], weights: Mapping[str, torch.Tensor]
+) -> Iterator[None]:
+    """``weights`` (every parameter, this rank's shards) in ``params`` inside the block,
+    the parameters' own values back on exit, an exception included; refused before
+    anything is written when a name or a shape differs."""
+    if weights.keys() != params.keys():
+        missing = sorted(params.keys() - weights.keys())[:3]
+        extra = sorted(weights.keys() - params.keys())[:3]
+        raise ValueError(
+            f"weights: expected this model's {len(params)} parameters, got "
+            f"{len(weights)} (missing {missing}, unexpected {extra})"
+        )
+    for name, param in params.items():
+        if weights[name].shape != param.shape:
+            raise ValueError(
+                f"weights[{name!r}]: expected shape {tuple(param.shape)}, got "
+                f"{tuple(weights[name].shape)}"
+            )
+    own = {name: param.detach().clone() for name, param in params.items()}
+    try:
+        copy_params_(params, weights)
+        yield
+    finally:
+        copy_params_(params, own)
 
 
 def full_tensor(param: torch.Tensor) -> torch.Tensor:
@@ -70,27 +99,3 @@ def clip_grad_norm(model: torch.nn.Module, *, max_norm: float) -> float:
     norm = math.sqrt(float(squares))
     optim.clip_to_norm_(grads, norm=norm, max_norm=max_norm)
     return norm
-
-
-def checkpoint_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """``{"model", "optimizer"}``: this rank's shards of the model's and AdamW's state,
-    keyed by parameter name (``torch.distributed.checkpoint.state_dict``), for a resume
-    on the same layout."""
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
-    model_state, optimizer_state = get_state_dict(model, optimizer)
-    return {"model": model_state, "optimizer": optimizer_state}
-
-
-def load_checkpoint_state(
-    model: torch.nn.Module, optimizer: torch.optim.Optimizer, saved: Mapping[str, Any]
-) -> None:
-    """Load a ``checkpoint_state`` of this layout into the model and AdamW."""
-    from torch.distributed.checkpoint.state_dict import set_state_dict
-
-    set_state_dict(
-        model,
-        optimizer,
-        model_state_dict=saved["model"],
-        optim_state_dict=saved["optimizer"],
-    )

@@ -156,26 +156,8 @@ class FSDPPolicyWorker:
         Copied into the shards and back rather than swapping storage: FSDP2 all-gathers
         from its own flat shard buffer, which a swapped ``.data`` would not reach. The
         model's own weights are back on exit, an exception included."""
-        params = dict(self._require_model().named_parameters())
-        if weights.keys() != params.keys():
-            missing = sorted(params.keys() - weights.keys())[:3]
-            extra = sorted(weights.keys() - params.keys())[:3]
-            raise ValueError(
-                f"weights: expected this model's {len(params)} parameters, got "
-                f"{len(weights)} (missing {missing}, unexpected {extra})"
-            )
-        for name, param in params.items():
-            if weights[name].shape != param.shape:
-                raise ValueError(
-                    f"weights[{name!r}]: expected shape {tuple(param.shape)}, got "
-                    f"{tuple(weights[name].shape)}"
-                )
-        own = self.parameter_snapshot()
-        try:
-            state.copy_params_(params, weights)
+        with state.copied_in(dict(self._require_model().named_parameters()), weights):
             yield
-        finally:
-            state.copy_params_(params, own)
 
     def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """The whole model's weights in the engine's HF layout, one full CPU tensor at a
@@ -256,8 +238,9 @@ class FSDPPolicyWorker:
                         routes.append(routes_to_batch_layout(recorder.routes(), layout))
         finally:
             # Without a backward nothing reshards a layer kept gathered after its
-            # forward (reshard_after_forward=False): a later weight load or swap writes
-            # the shards, and a still-gathered layer would not see it.
+            # forward (reshard_after_forward=False), and while gathered FSDP2 registers
+            # the whole tensors as its parameters: a weight load would write those and
+            # be dropped at the next reshard (test_fsdp_worker.py, gathered layers).
             state.reshard(model)
         return ForwardResult(
             logprobs=torch.cat(logprobs),
@@ -302,29 +285,21 @@ class FSDPPolicyWorker:
         micro = self._microbatches(batch, micro_batch_size)
         count = len(micro)
         losses = torch.zeros(count, dtype=torch.float64)
-        routes = []
+        routes: list[torch.Tensor] = []
         model.train()
         optimizer.zero_grad(set_to_none=True)
-        for m, mb in enumerate(micro):
-            layout = make_contiguous(mb, pad_token_id=self.pad_token_id)
-            if self.sharded:
-                # One reduce-scatter per step, after the last microbatch's backward;
-                # the gradients accumulate unsharded until then.
-                model.set_requires_gradient_sync(m == count - 1)
-            with self.gates.session(
-                routes=layout.routes if do_replay else None, capture=capture_routes
-            ) as recorder:
-                lp, ent = score_responses(
-                    self._logits(layout), layout, mb, entropy=entropy, temperature=self.temperature
-                )
-                extra = (ent,) if ent is not None else ()
-                value = loss_fn(lp, batch_to(mb, lp.device), *extra)  # type: ignore[arg-type]
-                losses[m] = float(value.detach())
-                # Each loss times 1/microbatches: the gradients accumulate to their
-                # mean (algorithms/token_mean.py).
-                (value / count).backward()
-            if capture_routes:
-                routes.append(routes_to_batch_layout(recorder.routes(), layout))
+        try:
+            self._accumulate(
+                micro,
+                loss_fn,
+                losses,
+                routes,
+                replay=do_replay,
+                entropy=entropy,
+                capture=capture_routes,
+            )
+        finally:
+            state.reshard(model)  # an exception mid-step may leave layers gathered
         grad_norm = state.clip_grad_norm(model, max_norm=self.optimizer_config.max_grad_norm)
         lr = optim.scheduled_lr(self.optimizer_config, optimizer)
         # Skipped on a NaN/inf norm: the trainer stops the run on it (trainer/finite.py).
@@ -339,6 +314,41 @@ class FSDPPolicyWorker:
         )
 
     # ---- helpers ------------------------------------------------------------------
+
+    def _accumulate(
+        self,
+        micro: list[TrainingBatch],
+        loss_fn: LossFn | EntropyLossFn,
+        losses: torch.Tensor,
+        routes: list[torch.Tensor],
+        *,
+        replay: bool,
+        entropy: bool,
+        capture: bool,
+    ) -> None:
+        """Forward and backward of every microbatch, each inside its replay session;
+        the losses into ``losses``, the captured routes appended to ``routes``."""
+        model, count = self._require_model(), len(micro)
+        for m, mb in enumerate(micro):
+            layout = make_contiguous(mb, pad_token_id=self.pad_token_id)
+            if self.sharded:
+                # One reduce-scatter per step, after the last microbatch's backward;
+                # the gradients accumulate unsharded until then.
+                model.set_requires_gradient_sync(m == count - 1)
+            with self.gates.session(
+                routes=layout.routes if replay else None, capture=capture
+            ) as recorder:
+                lp, ent = score_responses(
+                    self._logits(layout), layout, mb, entropy=entropy, temperature=self.temperature
+                )
+                extra = (ent,) if ent is not None else ()
+                value = loss_fn(lp, batch_to(mb, lp.device), *extra)  # type: ignore[arg-type]
+                losses[m] = float(value.detach())
+                # Each loss times 1/microbatches: the gradients accumulate to their
+                # mean (algorithms/token_mean.py).
+                (value / count).backward()
+            if capture:
+                routes.append(routes_to_batch_layout(recorder.routes(), layout))
 
     def _microbatches(self, batch: TrainingBatch, size: int | None) -> list[TrainingBatch]:
         size = batch.batch_size if size is None else size
