@@ -5,6 +5,7 @@ and right padding, two or more microbatches) with random rollout routes."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 from _megatron_batches import make_batch, random_routes
@@ -14,7 +15,6 @@ from skyrl_train.config.schema import FSDPConfig, MegatronConfig, OptimizerConfi
 from skyrl_train.dataset.batch import TrainingBatch
 from skyrl_train.trainer.policy import checkpoint_weights
 from skyrl_train.workers.fsdp import FSDPPolicyWorker
-from skyrl_train.workers.megatron import MegatronPolicyWorker
 
 
 def build_megatron(
@@ -24,7 +24,10 @@ def build_megatron(
     optimizer: OptimizerConfig,
     pad_token_id: int,
     temperature: float = 1.0,
-) -> MegatronPolicyWorker:
+) -> Any:
+    # Here, not at import: the FSDP-only tests load no megatron.
+    from skyrl_train.workers.megatron import MegatronPolicyWorker
+
     worker = MegatronPolicyWorker(
         architecture,
         MegatronConfig(moe_enable_routing_replay=True),
@@ -66,7 +69,7 @@ def build_pair(
     optimizer: OptimizerConfig,
     pad_token_id: int,
     temperature: float = 1.0,
-) -> tuple[MegatronPolicyWorker, FSDPPolicyWorker]:
+) -> tuple[Any, FSDPPolicyWorker]:
     """Both backends' workers on ``checkpoint``'s weights (the Megatron one first: it
     starts this process's one-rank group, which the FSDP one then shards over)."""
     megatron = build_megatron(

@@ -7,6 +7,8 @@ global batch."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -281,3 +283,27 @@ def test_two_data_parallel_ranks_equal_one_rank(
             if process.is_alive():
                 process.kill()
                 process.join()
+
+
+def test_the_fsdp_backend_never_imports_megatron(checkpoint) -> None:
+    """An FSDP user may not have megatron-core working: building the worker, loading
+    weights, a forward and a train step load no ``megatron`` module (a fresh
+    interpreter, unsharded: no process group)."""
+    script = f"""
+import sys, torch
+sys.path.insert(0, {str(Path(__file__).parent)!r})
+from _fsdp_pairs import build_fsdp, layout_batch
+from inference.models.tiny_moe import TinyMoEConfig
+from skyrl_train.config.schema import OptimizerConfig
+cfg = TinyMoEConfig()
+arch = cfg.architecture()
+worker = build_fsdp({str(checkpoint)!r}, arch, optimizer=OptimizerConfig(), pad_token_id=256)
+batch = layout_batch(arch, vocab=cfg.vocab_size)
+worker.forward(batch, micro_batch_size=2, capture_routes=True)
+worker.train_step(batch, loss_fn=lambda lp, mb: lp.sum(), micro_batch_size=2)
+print(sorted(m for m in sys.modules if "megatron" in m.split(".")))
+"""
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, check=True, timeout=300
+    )
+    assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout
