@@ -1,9 +1,12 @@
 """Shared by the end-to-end export tests: a run's Hugging Face export checked against
 the trainer's own weights (its checkpoint at the same step) and the folder it trained.
 
-The trainer side is the Megatron model rebuilt in this process from the checkpoint's
-rank file, Megatron parameter names and all: nothing on that side goes through the
-HF conversion the export uses, so a wrong name, split or layout shows in the logits.
+The trainer side is rebuilt in this process from the checkpoint's rank file. For the
+Megatron backend that is the Megatron model, Megatron parameter names and all: nothing
+on that side goes through the HF conversion the export uses, so a wrong name, split or
+layout shows in the logits. For the FSDP backend it is a fresh transformers model given
+the rank file's tensors directly: nothing on that side goes through the export's
+gather and file writing.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from safetensors import safe_open
 
 from inference.models.checkpoint import inspect_checkpoint
 from skyrl_train.config.schema import MegatronConfig
+from skyrl_train.runs.backend import STRATEGY_KEY
 from skyrl_train.runs.rank_state import checkpoint_file, read_plain
 
 TEXTS = ["Tom has 3 apples.", "12 + 7 = 19\nThe answer is 19.", "naïve café ∑"]
@@ -33,6 +37,8 @@ def trainer_logits(checkpoint: Path, model_folder: Path, tokens: torch.Tensor) -
 
     state = read_plain(checkpoint_file(checkpoint, 0))
     assert state["world_size"] == 1, "the oracle rebuilds a one-rank model"
+    if state.get(STRATEGY_KEY) == "fsdp":
+        return _fsdp_trainer_logits(state, model_folder, tokens)
     arch = inspect_checkpoint(model_folder).architecture
     worker = MegatronPolicyWorker(arch, MegatronConfig(moe_enable_routing_replay=False)).setup()
     worker.model.load_state_dict(state["model"])
@@ -42,6 +48,18 @@ def trainer_logits(checkpoint: Path, model_folder: Path, tokens: torch.Tensor) -
         return worker.model(
             tokens, torch.arange(seq)[None].expand(rows, seq), causal_attention_mask(seq)
         )
+
+
+def _fsdp_trainer_logits(state: dict, model_folder: Path, tokens: torch.Tensor) -> torch.Tensor:
+    """A one-rank FSDP rank file holds every tensor whole, under transformers' names."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(str(model_folder), local_files_only=True)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    missing, unexpected = model.load_state_dict(state["model"], strict=False)
+    assert not unexpected and not [k for k in missing if "rotary" not in k], (missing, unexpected)
+    with torch.no_grad():
+        return model.eval()(tokens).logits
 
 
 def load_export(folder: Path):  # type: ignore[no-untyped-def]

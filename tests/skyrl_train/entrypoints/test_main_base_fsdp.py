@@ -1,0 +1,63 @@
+"""End to end with ``trainer.strategy=fsdp``: a 3-step GRPO run with R3 on a checkpoint of
+each family (transformers' own model classes, routes replayed by the gate hooks), the
+weights pushed to the builtin engine and the served-weights check after every push
+(``SMALL``), a checkpoint every step and the end-of-run Hugging Face export.
+
+The export is checked as ``test_main_base_families.py`` checks Megatron's, against an
+oracle that shares nothing with the export path: the rank file's tensors loaded into
+a fresh transformers model.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import ray
+from _e2e import SMALL, with_overrides
+from _export_checks import check_export
+
+from inference.models.tiny_checkpoint import write_tiny_checkpoint
+from skyrl_train.config.compose import load_config
+from skyrl_train.entrypoints.main_base import run
+
+pytestmark = pytest.mark.slow
+
+STEPS = 3
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "olmoe", "mixtral"])
+def test_three_fsdp_steps_on_a_checkpoint_of_each_family(tmp_path: Path, family: str) -> None:
+    folder = write_tiny_checkpoint(family, tmp_path / family, seed=0)
+    run_dir = tmp_path / "run"
+    cfg = load_config(
+        with_overrides(
+            SMALL,
+            "trainer.strategy=fsdp",
+            f"trainer.num_steps={STEPS}",
+            "trainer.eval_interval=3",
+            f"model.path={folder}",
+            f"trainer.run_dir={run_dir}",
+            "logging.plot=false",
+        )
+    )
+    history = run(cfg)
+    assert len(history) == STEPS
+    for metrics in history:
+        for key in ("reward/mean", "train/policy_loss", "train/grad_norm", "policy/entropy"):
+            assert math.isfinite(metrics[key]), (key, metrics[key])
+        # Every MoE layer of every token routed as the engine did, dense first layer or not.
+        assert metrics["r3/router_agreement_trained"] == 1.0
+        assert metrics["r3/num_token_layers"] > 0
+    # The weights moved (the served-weights check after every push would have stopped
+    # the run had the engine not served them).
+    assert history[-1]["policy/kl_to_ref"] > 0
+    assert not ray.is_initialized()
+    delta = check_export(
+        run_dir / "exports" / f"global_step_{STEPS}",
+        folder,
+        run_dir / "checkpoints" / f"step_{STEPS:06d}",
+        tmp_path,
+    )
+    print(f"{family}: fsdp export vs trainer checkpoint max |logits delta| {delta:.3g}")
