@@ -28,7 +28,7 @@ from skyrl_train.algorithms.mismatch import RouterAgreement, router_agreement
 from skyrl_train.config.constraints import check_constraints
 from skyrl_train.config.schema import FSDPConfig, OptimizerConfig
 from skyrl_train.dataset.batch import TrainingBatch, batch_to, slice_batch
-from skyrl_train.errors import ConfigValidationError, RouteReplayError
+from skyrl_train.errors import RouteReplayError
 from skyrl_train.workers import routes as route_checks
 from skyrl_train.workers.base import (
     EntropyLossFn,
@@ -108,13 +108,8 @@ class FSDPPolicyWorker:
         # fully_shard swaps the class for an FSDP subclass; messages name the model's own.
         self.model_class = type(model).__name__
         self.sharded = shard_model(model, self.fsdp_config) is not None
+        # Refuses a model whose layers or gates are not the architecture's.
         self.gates = GateReplay(model, self.architecture)
-        if tuple(self.gates.moe_layers) != tuple(self.architecture.moe_layers):
-            raise ConfigValidationError(
-                "checkpoint",
-                expected=f"MoE layers {list(self.architecture.moe_layers)} (the architecture's)",
-                got=str(list(self.gates.moe_layers)),
-            )
         self.model = model
         self.optimizer = optim.build_optimizer(model.parameters(), self.optimizer_config)
         return self

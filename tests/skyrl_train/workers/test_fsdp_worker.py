@@ -7,6 +7,7 @@ global batch."""
 
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -183,6 +184,23 @@ def test_activation_checkpointing_and_gathered_layers_change_nothing(
     assert abs(got.grad_norm - want.grad_norm) <= TOL * want.grad_norm
     want_grads, got_grads = clipped_grads(fsdp), clipped_grads(other)
     assert max(_close(got_grads[n], want_grads[n]) for n in want_grads) <= TOL
+
+
+def test_bf16_compute_keeps_fp32_weights_and_optimizer(fresh, checkpoint) -> None:
+    """``param_dtype: bfloat16``: layers compute in bf16 (log-probs off the fp32 ones by
+    bf16 rounding, not equal), the weights, gradients and AdamW stay fp32."""
+    _, fsdp = fresh
+    config = FSDPConfig(param_dtype="bfloat16", reduce_dtype="float32")
+    bf16 = build_fsdp(checkpoint, ARCH, optimizer=OPT, pad_token_id=PAD_ID, fsdp_config=config)
+    batch = layout_batch(ARCH, vocab=CFG.vocab_size, seed=10)
+    want = fsdp.forward(batch, micro_batch_size=MICRO, replay_routes=True).logprobs
+    got = bf16.forward(batch, micro_batch_size=MICRO, replay_routes=True).logprobs
+    assert got.dtype == torch.float32
+    assert 1e-4 < _close(got, want) < 0.5
+    step = bf16.train_step(batch, loss_fn=_loss, micro_batch_size=MICRO, entropy=True)
+    assert math.isfinite(step.grad_norm) and step.grad_norm > 0
+    assert all(p.dtype == torch.float32 for _, p in bf16.named_parameters())
+    assert all(p.grad is None or p.grad.dtype == torch.float32 for _, p in bf16.named_parameters())
 
 
 def _clone(value):

@@ -19,6 +19,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 from _megatron_batches import PAD_ID, make_batch, random_routes
+from _step_checks import clipped_grads, steady, steady_worst
 
 from inference.models.tiny_moe import TinyMoEConfig, build_hf_model
 from skyrl_train.config.schema import MegatronConfig, OptimizerConfig
@@ -110,11 +111,11 @@ def _run_case(
     out["r3_step"] = _agreement(step.routes, rollout.routed_experts, rollout)
     out["loss"], out["grad_norm"] = step.loss, step.grad_norm
     out["weights"] = dict(worker.export_weights())
-    out["grads"] = _clipped_grads(worker)
+    out["grads"] = clipped_grads(worker)
     r2 = dataclasses.replace(rollout, routed_experts=own.routes)
     # Back to the checkpoint's weights, so the R2 step's loss and norm compare on the
     # same weights: after step 1 the layouts differ where AdamW's first step amplified
-    # rounding (_steady), and that would reach every later loss.
+    # rounding (_step_checks.steady), and that would reach every later loss.
     worker.load_weights(hf_state.items())
     step2 = worker.train_step(
         r2, loss_fn=_loss, micro_batch_size=2, entropy=True, capture_routes=True
@@ -155,32 +156,6 @@ def _check_expert_shards(worker: Any, arch: Any, mc: MegatronConfig) -> None:
             for expert in experts.local_experts:
                 assert tuple(expert.linear_fc1.weight.shape) == (width, arch.hidden_size)
     assert seen == len(arch.moe_layers)
-
-
-def _clipped_grads(worker: Any) -> dict[str, torch.Tensor]:
-    """The step's gradients (after clipping) under the HF names, whole: exported as if
-    they were the weights, so the TP shards are gathered as the weights are."""
-    grads = {
-        name: p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)
-        for name, p in worker.model.named_parameters()
-    }
-    with worker.swapped_weights(grads):
-        return dict(worker.export_weights())
-
-
-def _steady(grad: torch.Tensor) -> torch.Tensor:
-    """Elements whose first AdamW step does not hinge on fp32 rounding: that step moves
-    a weight by lr * g / (|g| + 1e-8), which turns a gradient of 1e-9 into 0.1 lr, so a
-    1e-10 difference in a near-zero gradient is a 1e-3 difference in the weight."""
-    return grad.abs() >= 1e-6
-
-
-def _steady_worst(got: dict[str, Any], ref: dict[str, Any], names: list[str]) -> float:
-    worst = 0.0
-    for n in names:
-        diff = (got["weights"][n] - ref["weights"][n]).abs()[_steady(ref["grads"][n])]
-        worst = max(worst, float(diff.max()) if diff.numel() else 0.0)
-    return worst
 
 
 def _close(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -242,22 +217,23 @@ def _compare(name: str, rank: int, hf_state: dict[str, torch.Tensor], ref: dict,
         assert abs(norm - want) <= TOL * want, (suffix, norm, want)
         assert want > 1.0  # the clip at 1.0 acted, over the TP group's norm
     # The first step's gradients, clipped, element by element, and its weights where
-    # AdamW's first step is not a sign of rounding (_steady).
+    # AdamW's first step is not a sign of rounding (_step_checks.steady).
     grads, want_grads = got["grads"], ref["grads"]
     assert max(_close(grads[n], want_grads[n]) for n in want_grads) <= TOL
-    assert _steady_worst(got, ref, list(want_grads)) <= TOL
+    assert steady_worst(got["weights"], ref["weights"], want_grads) <= TOL
     moved = max(_close(ref["weights"][n], hf_state[n]) for n in hf_state)
     assert moved > 1e-3  # the step changed the weights the comparison reads
     if rank == 0:
         names = list(hf_state)
-        below = sum(int((~_steady(ref["grads"][n])).sum()) for n in names)
+        below = sum(int((~steady(ref["grads"][n])).sum()) for n in names)
+        worst = steady_worst(got["weights"], ref["weights"], ref["grads"])
         print(
             f"{name} vs TP=1: logprobs {_close(got['logprobs'], ref['logprobs']):.2e}, "
             f"entropy {_close(got['entropy'], ref['entropy']):.2e}, grad norm "
             f"{got['grad_norm']:.6f} vs {ref['grad_norm']:.6f}, clipped grads "
             f"{max(_close(got['grads'][n], ref['grads'][n]) for n in names):.2e}, weights "
             f"{max(_close(got['weights'][n], ref['weights'][n]) for n in names):.2e} "
-            f"({_steady_worst(got, ref, names):.2e} on gradients >= 1e-6; {below} of "
+            f"({worst:.2e} on gradients >= 1e-6; {below} of "
             f"{sum(t.numel() for t in hf_state.values())} below), swapped-shard "
             f"agreement {got.get('swapped', float('nan')):.3f}"
         )
