@@ -6,10 +6,11 @@ fp32, seeded); its weights arrive later through the worker's ``load_weights``, a
 trainer loads every backend (``trainer/policy.py``). The names of its
 ``named_parameters`` are the engine's HF layout, so weights need no conversion.
 
-With a process group the model is sharded over a 1-D mesh of all its ranks (data
-parallel only; a world of one is a one-rank mesh, so one code path runs); without one
-(a bare unit test) it stays an ordinary module. Device-agnostic: CUDA when available,
-else CPU with gloo.
+The model is sharded over a 1-D mesh of all the process group's ranks (data parallel
+only). A process without a group joins a world of one on an in-process store first,
+as the Megatron worker does (``utils/distributed.py``), so one rank runs the same code
+path, mixed precision included. Device-agnostic: CUDA with NCCL when available, else
+CPU with gloo.
 """
 
 from __future__ import annotations
@@ -58,14 +59,16 @@ def decoder_layers(model: Any) -> list[torch.nn.Module]:
 
 def shard_model(model: Any, config: FSDPConfig) -> Any:
     """Activation checkpointing per decoder layer when the config asks, then
-    ``fully_shard`` on each decoder layer and the root over all ranks (when a process
-    group exists). Returns the 1-D device mesh, or None unsharded."""
+    ``fully_shard`` on each decoder layer and the root over all ranks (joining a world
+    of one first when this process has no group). Returns the 1-D device mesh."""
     if config.activation_checkpointing:
         # transformers' own per-layer checkpointing, non-reentrant: the recompute runs
         # FSDP2's and the gates' hooks again, inside the microbatch's replay session.
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if not torch.distributed.is_initialized():
-        return None
+        from skyrl_train.utils.distributed import init_distributed
+
+        init_distributed(rank=0, world_size=1, init_method="env://")
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 

@@ -91,14 +91,16 @@ class FSDPPolicyWorker:
         self.optimizer: torch.optim.Optimizer | None = None
         self.gates: Any = None
         self.device = torch.device("cpu")
-        self.sharded = False
+        self.mesh: Any = None
+        """The 1-D device mesh of every rank the model is sharded over."""
         self.model_class = ""
 
     # ---- setup -----------------------------------------------------------------
 
     def setup(self) -> FSDPPolicyWorker:
         """Build the model from the checkpoint's config, shard it over the process
-        group's ranks (when there is one), hook the gates and build the optimizer."""
+        group's ranks (a world of one when this process has none), hook the gates and
+        build the optimizer."""
         from skyrl_train.workers.fsdp.replay import GateReplay
 
         model = build_hf_model(self.checkpoint, seed=self.seed)
@@ -107,7 +109,7 @@ class FSDPPolicyWorker:
         model.to(self.device)
         # fully_shard swaps the class for an FSDP subclass; messages name the model's own.
         self.model_class = type(model).__name__
-        self.sharded = shard_model(model, self.fsdp_config) is not None
+        self.mesh = shard_model(model, self.fsdp_config)
         # Refuses a model whose layers or gates are not the architecture's.
         self.gates = GateReplay(model, self.architecture)
         self.model = model
@@ -137,7 +139,7 @@ class FSDPPolicyWorker:
         return count
 
     def named_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """This rank's parameters (its shards, DTensors when sharded), as the model names them."""
+        """This rank's parameters (its shards, DTensors), as the model names them."""
         return self._require_model().named_parameters()
 
     def parameter_snapshot(self) -> dict[str, torch.Tensor]:
@@ -156,7 +158,7 @@ class FSDPPolicyWorker:
 
     def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """The whole model's weights in the engine's HF layout, one full CPU tensor at a
-        time; sharded, each is an all-gather, so every rank consumes it in lockstep."""
+        time; each is an all-gather, so every rank consumes it in lockstep."""
         for name, param in self._require_model().named_parameters():
             yield name, state.full_tensor(param)
 
@@ -181,9 +183,7 @@ class FSDPPolicyWorker:
     def rank_info(self) -> RankInfo:
         """Every rank is a data-parallel rank (one shard group over the world)."""
         self._require_model()
-        dist = torch.distributed
-        rank = dist.get_rank() if dist.is_initialized() else 0
-        world = dist.get_world_size() if dist.is_initialized() else 1
+        rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
         return RankInfo(rank=rank, world_size=world, dp_rank=rank, dp_size=world, ep_size=1)
 
     def scheduled_lr(self) -> float:
@@ -326,10 +326,9 @@ class FSDPPolicyWorker:
         model, count = self._require_model(), len(micro)
         for m, mb in enumerate(micro):
             layout = make_contiguous(mb, pad_token_id=self.pad_token_id)
-            if self.sharded:
-                # One reduce-scatter per step, after the last microbatch's backward;
-                # the gradients accumulate unsharded until then.
-                model.set_requires_gradient_sync(m == count - 1)
+            # One reduce-scatter per step, after the last microbatch's backward; the
+            # gradients accumulate unsharded until then.
+            model.set_requires_gradient_sync(m == count - 1)
             with self.gates.session(
                 routes=layout.routes if replay else None, capture=capture
             ) as recorder:

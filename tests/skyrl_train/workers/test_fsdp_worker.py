@@ -76,7 +76,7 @@ def test_export_names_are_the_megatron_workers_hf_names(fresh) -> None:
     # The same tensors under the same names; the order is each model's own.
     assert sorted(names) == sorted(name for name, _ in megatron.export_weights())
     assert len(set(names)) == len(names)
-    assert fsdp.sharded  # one rank, but through fully_shard's code path
+    assert fsdp.mesh.size() == 1  # one rank, through fully_shard's code path
     info = fsdp.rank_info()
     assert (info.dp_size, info.ep_size, info.tp_size, info.pp_size) == (1, 1, 1, 1)
 
@@ -236,16 +236,17 @@ def test_bad_input_is_refused_naming_it(fresh, checkpoint, hf_state) -> None:
 WORLD = 2
 
 
-def _rank_main(rank: int, rendezvous: str, checkpoint: str) -> None:
+def _dp_batch() -> TrainingBatch:
+    return layout_batch(ARCH, vocab=CFG.vocab_size, seed=8, rows=4)
+
+
+DP_STEP = dict(loss_fn=_loss, micro_batch_size=1, entropy=True)
+
+
+def _rank_main(rank: int, rendezvous: str, checkpoint: str, reference: str) -> None:
     torch.set_num_threads(1)
-    batch = layout_batch(ARCH, vocab=CFG.vocab_size, seed=8, rows=4)
-    loss = dict(loss_fn=_loss, micro_batch_size=1, entropy=True)
-    # The one-rank reference first, before any process group: unsharded.
-    ref = build_fsdp(Path(checkpoint), ARCH, optimizer=OPT, pad_token_id=PAD_ID)
-    assert not ref.sharded
-    ref_lp = ref.forward(batch, micro_batch_size=1).logprobs
-    want = ref.train_step(batch, **loss)
-    want_grads, want_w = clipped_grads(ref), dict(ref.export_weights())
+    want = torch.load(reference)
+    batch = _dp_batch()
     torch.distributed.init_process_group(
         "gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=WORLD
     )
@@ -255,24 +256,24 @@ def _rank_main(rank: int, rendezvous: str, checkpoint: str) -> None:
         worker = build_fsdp(
             Path(checkpoint), ARCH, optimizer=OPT, pad_token_id=PAD_ID, fsdp_config=config
         )
-        assert worker.sharded and worker.rank_info().dp_size == WORLD
+        assert worker.mesh.size() == WORLD and worker.rank_info().dp_size == WORLD
         shard = slice_batch(batch, 2 * rank, 2 * rank + 2)
         lp = worker.forward(shard, micro_batch_size=1).logprobs
-        assert _close(lp, ref_lp[2 * rank : 2 * rank + 2]) <= TOL
+        assert _close(lp, want["logprobs"][2 * rank : 2 * rank + 2]) <= TOL
         # Layers kept gathered after that forward must still see weights written to
         # their shards after it (the reference policy's swap).
         moved = {n: p.detach() * 1.01 for n, p in worker.named_parameters()}
         with worker.swapped_weights(moved):
             assert _close(worker.forward(shard, micro_batch_size=1).logprobs, lp) > 1e-4
         assert torch.equal(worker.forward(shard, micro_batch_size=1).logprobs, lp)
-        got = worker.train_step(shard, **loss)
+        got = worker.train_step(shard, **DP_STEP)
         mean_loss = torch.tensor(got.loss, dtype=torch.float64)
         torch.distributed.all_reduce(mean_loss)
-        assert abs(float(mean_loss) / WORLD - want.loss) <= 1e-6
-        assert abs(got.grad_norm - want.grad_norm) <= TOL * want.grad_norm
+        assert abs(float(mean_loss) / WORLD - want["loss"]) <= 1e-6
+        assert abs(got.grad_norm - want["grad_norm"]) <= TOL * want["grad_norm"]
         grads, weights = clipped_grads(worker), dict(worker.export_weights())
-        assert max(_close(grads[n], want_grads[n]) for n in want_grads) <= TOL
-        assert steady_worst(weights, want_w, want_grads) <= TOL
+        assert max(_close(grads[n], want["grads"][n]) for n in grads) <= TOL
+        assert steady_worst(weights, want["weights"], want["grads"]) <= TOL
     finally:
         torch.distributed.destroy_process_group()
 
@@ -283,9 +284,23 @@ def test_two_data_parallel_ranks_equal_one_rank(
     checkpoint, tmp_path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    # The one-rank reference here, on this process's one-rank group; 4 rows, one per
+    # microbatch, against 2 ranks of 2.
+    ref = build_fsdp(checkpoint, ARCH, optimizer=OPT, pad_token_id=PAD_ID)
+    batch = _dp_batch()
+    logprobs = ref.forward(batch, micro_batch_size=1).logprobs
+    step = ref.train_step(batch, **DP_STEP)
+    want = {
+        "logprobs": logprobs,
+        "loss": step.loss,
+        "grad_norm": step.grad_norm,
+        "grads": clipped_grads(ref),
+        "weights": dict(ref.export_weights()),
+    }
+    torch.save(want, tmp_path / "reference.pt")
     ranks = mp.start_processes(
         _rank_main,
-        args=(str(tmp_path / "rendezvous"), str(checkpoint)),
+        args=(str(tmp_path / "rendezvous"), str(checkpoint), str(tmp_path / "reference.pt")),
         nprocs=WORLD,
         join=False,
     )
@@ -306,7 +321,7 @@ def test_two_data_parallel_ranks_equal_one_rank(
 def test_the_fsdp_backend_never_imports_megatron(checkpoint) -> None:
     """An FSDP user may not have megatron-core working: building the worker, loading
     weights, a forward and a train step load no ``megatron`` module (a fresh
-    interpreter, unsharded: no process group)."""
+    interpreter, which the worker joins to a world of one itself)."""
     script = f"""
 import sys, torch
 sys.path.insert(0, {str(Path(__file__).parent)!r})
