@@ -25,7 +25,20 @@ import torch
 from inference.wire import route_filler
 from skyrl_train.algorithms.sampler_replay import SamplerReplay, pick_targets, sampler_logits
 from skyrl_train.algorithms.signals import token_entropy
-from skyrl_train.dataset.batch import TrainingBatch
+from skyrl_train.dataset.batch import TrainingBatch, slice_batch
+
+
+def split_microbatches(batch: TrainingBatch, size: int | None) -> list[TrainingBatch]:
+    """``batch`` cut into consecutive microbatches of ``size`` rows (None: one), the
+    last one shorter when the rows do not divide, none splitting a row (the gradient
+    contract of ``workers/base.py``)."""
+    size = batch.batch_size if size is None else size
+    if size < 1:
+        raise ValueError(f"micro_batch_size: expected a positive int, got {size}")
+    return [
+        slice_batch(batch, start, min(start + size, batch.batch_size))
+        for start in range(0, batch.batch_size, size)
+    ]
 
 
 @dataclass(frozen=True)

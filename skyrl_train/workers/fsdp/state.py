@@ -99,3 +99,18 @@ def clip_grad_norm(model: torch.nn.Module, *, max_norm: float) -> float:
     norm = math.sqrt(float(squares))
     optim.clip_to_norm_(grads, norm=norm, max_norm=max_norm)
     return norm
+
+
+def require_same_count(count: int, *, what: str, device: torch.device) -> None:
+    """Refuse, on every rank alike, a ``count`` that differs between the ranks (one
+    tiny all-reduce); a no-op on one rank."""
+    if torch.distributed.get_world_size() == 1:
+        return
+    bounds = torch.tensor([count, -count], dtype=torch.int64, device=device)
+    torch.distributed.all_reduce(bounds, op=torch.distributed.ReduceOp.MAX)
+    most, fewest = int(bounds[0]), -int(bounds[1])
+    if most != fewest:
+        raise ValueError(
+            f"micro_batch_size: expected the same number of {what} on every data-parallel "
+            f"rank, got {fewest} to {most} (this rank {count}): give every rank as many rows"
+        )

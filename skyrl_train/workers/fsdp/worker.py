@@ -27,7 +27,7 @@ from skyrl_train.algorithms import optim
 from skyrl_train.algorithms.mismatch import RouterAgreement, router_agreement
 from skyrl_train.config.constraints import check_constraints
 from skyrl_train.config.schema import FSDPConfig, OptimizerConfig
-from skyrl_train.dataset.batch import TrainingBatch, batch_to, slice_batch
+from skyrl_train.dataset.batch import TrainingBatch, batch_to
 from skyrl_train.errors import RouteReplayError
 from skyrl_train.workers import routes as route_checks
 from skyrl_train.workers.base import (
@@ -42,6 +42,7 @@ from skyrl_train.workers.batch_layout import (
     make_contiguous,
     routes_to_batch_layout,
     score_responses,
+    split_microbatches,
 )
 from skyrl_train.workers.fsdp import state
 from skyrl_train.workers.fsdp.model import (
@@ -345,13 +346,11 @@ class FSDPPolicyWorker:
                 routes.append(routes_to_batch_layout(recorder.routes(), layout))
 
     def _microbatches(self, batch: TrainingBatch, size: int | None) -> list[TrainingBatch]:
-        size = batch.batch_size if size is None else size
-        if size < 1:
-            raise ValueError(f"micro_batch_size: expected a positive int, got {size}")
-        return [
-            slice_batch(batch, start, min(start + size, batch.batch_size))
-            for start in range(0, batch.batch_size, size)
-        ]
+        micro = split_microbatches(batch, size)
+        # Every forward all-gathers each layer: a rank with fewer microbatches would
+        # leave the others waiting forever, so a mismatch is refused on every rank.
+        state.require_same_count(len(micro), what="microbatches", device=self.device)
+        return micro
 
     def _logits(self, layout: ContiguousBatch) -> torch.Tensor:
         """``[b, S, V]`` logits of the contiguous rows: positions 0..S-1 and transformers'

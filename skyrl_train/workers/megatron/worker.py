@@ -34,7 +34,7 @@ from skyrl_train.algorithms.mismatch import RouterAgreement, router_agreement
 from skyrl_train.config.constraints import check_constraints
 from skyrl_train.config.routing_replay import megatron_replay_enabled
 from skyrl_train.config.schema import MegatronConfig, OptimizerConfig
-from skyrl_train.dataset.batch import TrainingBatch, batch_to, slice_batch
+from skyrl_train.dataset.batch import TrainingBatch, batch_to
 from skyrl_train.errors import ConfigValidationError, RouteReplayError
 from skyrl_train.workers.base import (
     EntropyLossFn,
@@ -43,7 +43,7 @@ from skyrl_train.workers.base import (
     RankInfo,
     TrainStepResult,
 )
-from skyrl_train.workers.batch_layout import score_responses
+from skyrl_train.workers.batch_layout import score_responses, split_microbatches
 from skyrl_train.workers.megatron import convert, replay
 from skyrl_train.workers.megatron.cpu_compat import apply_cpu_compat
 from skyrl_train.workers.megatron.gradients import (
@@ -339,15 +339,8 @@ class MegatronPolicyWorker:
     # ---- the schedule -----------------------------------------------------------------
 
     def _prepare(self, batch: TrainingBatch, size: int | None) -> Microbatches:
-        size = size or batch.batch_size
-        if size < 1:
-            raise ValueError(f"micro_batch_size: expected a positive int, got {size}")
-        micro = [
-            slice_batch(batch, start, min(start + size, batch.batch_size))
-            for start in range(0, batch.batch_size, size)
-        ]
         return Microbatches.prepare(
-            micro,
+            split_microbatches(batch, size),
             self._pipeline,
             pad_token_id=self.pad_token_id,
             sequence_shards=self._require_routers().sequence_shards,

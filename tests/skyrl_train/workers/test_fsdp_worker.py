@@ -274,6 +274,9 @@ def _rank_main(rank: int, rendezvous: str, checkpoint: str, reference: str) -> N
         grads, weights = clipped_grads(worker), dict(worker.export_weights())
         assert max(_close(grads[n], want["grads"][n]) for n in grads) <= TOL
         assert steady_worst(weights, want["weights"], want["grads"]) <= TOL
+        # Unequal shards would hang the first all-gather: refused on both ranks.
+        with pytest.raises(ValueError, match=r"same number of microbatches .* got 1 to 2"):
+            worker.forward(slice_batch(batch, 0, 2 - rank), micro_batch_size=1)
     finally:
         torch.distributed.destroy_process_group()
 
