@@ -432,11 +432,11 @@ class PolicyTrainer:
         return None
 
     def _join_export(self) -> None:
-        """A rank that neither pushes nor writes still runs the export when experts,
-        layers or tensors are sharded: the stream gathers them over the EP, pipeline and
-        tensor-parallel groups, and every rank of those groups must take part in
-        lockstep."""
-        if self.info.ep_size > 1 or self.info.pp_size > 1 or self.info.tp_size > 1:
+        """A rank that neither pushes nor writes still runs the export when weights are
+        sharded over ranks (experts, stages, tensors, FSDP shards): the stream gathers
+        them, and every rank must take part in lockstep (``RankInfo.collective_export``;
+        a 2-rank FSDP launch hung in the first push without it)."""
+        if self.info.collective_export:
             for _ in self.worker.export_weights():
                 pass
 
@@ -505,6 +505,7 @@ class PolicyTrainer:
             rank=self.info.rank,
             world_size=self.info.world_size,
             layout=self._layout(),
+            strategy=self.cfg.trainer.strategy,
         )
         if resharded is not None:
             logger.info(

@@ -89,6 +89,10 @@ class RankInfo:
     pp_rank: int = 0
     pp_size: int = 1
     tp_size: int = 1
+    collective_export: bool = False
+    """``export_weights`` gathers shards from other ranks (experts, stages, tensor or
+    FSDP shards), so every rank must consume it in lockstep, a rank that neither
+    pushes nor writes included."""
 
     @property
     def is_last_stage(self) -> bool:

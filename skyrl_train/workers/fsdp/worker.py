@@ -185,7 +185,15 @@ class FSDPPolicyWorker:
         """Every rank is a data-parallel rank (one shard group over the world)."""
         self._require_model()
         rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-        return RankInfo(rank=rank, world_size=world, dp_rank=rank, dp_size=world, ep_size=1)
+        return RankInfo(
+            rank=rank,
+            world_size=world,
+            dp_rank=rank,
+            dp_size=world,
+            ep_size=1,
+            # Every weight is sharded over every rank: each one's export is an all-gather.
+            collective_export=world > 1,
+        )
 
     def scheduled_lr(self) -> float:
         """The learning rate the next optimizer step uses (warm-up included)."""

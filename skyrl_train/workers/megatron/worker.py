@@ -208,15 +208,20 @@ class MegatronPolicyWorker:
         from megatron.core import parallel_state
 
         self._require_model()
+        ep_size = parallel_state.get_expert_model_parallel_world_size()
+        pp_size = parallel_state.get_pipeline_model_parallel_world_size()
+        tp_size = parallel_state.get_tensor_model_parallel_world_size()
         return RankInfo(
             rank=torch.distributed.get_rank(),
             world_size=torch.distributed.get_world_size(),
             dp_rank=parallel_state.get_data_parallel_rank(),
             dp_size=parallel_state.get_data_parallel_world_size(),
-            ep_size=parallel_state.get_expert_model_parallel_world_size(),
+            ep_size=ep_size,
             pp_rank=parallel_state.get_pipeline_model_parallel_rank(),
-            pp_size=parallel_state.get_pipeline_model_parallel_world_size(),
-            tp_size=parallel_state.get_tensor_model_parallel_world_size(),
+            pp_size=pp_size,
+            tp_size=tp_size,
+            # Data-parallel ranks hold whole copies: only these layouts split weights.
+            collective_export=ep_size > 1 or pp_size > 1 or tp_size > 1,
         )
 
     # ---- forward ----------------------------------------------------------------
