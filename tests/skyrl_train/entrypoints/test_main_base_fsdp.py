@@ -1,7 +1,9 @@
 """End to end with ``trainer.strategy=fsdp``: a 3-step GRPO run with R3 on a checkpoint of
 each family (transformers' own model classes, routes replayed by the gate hooks), the
 weights pushed to the builtin engine and the served-weights check after every push
-(``SMALL``), a checkpoint every step and the end-of-run Hugging Face export.
+(``SMALL``), a checkpoint every step, an evaluation and the end-of-run Hugging Face
+export. OLMoE and Mixtral run fully async (generation one step ahead, TIS), so the
+backend is shown to change nothing in either loop.
 
 The export is checked as ``test_main_base_families.py`` checks Megatron's, against an
 oracle that shares nothing with the export path: the rank file's tensors loaded into
@@ -25,10 +27,12 @@ from skyrl_train.entrypoints.main_base import run
 pytestmark = pytest.mark.slow
 
 STEPS = 3
+ASYNC = ("olmoe", "mixtral")
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "olmoe", "mixtral"])
 def test_three_fsdp_steps_on_a_checkpoint_of_each_family(tmp_path: Path, family: str) -> None:
+    fully_async = family in ASYNC
     folder = write_tiny_checkpoint(family, tmp_path / family, seed=0)
     run_dir = tmp_path / "run"
     cfg = load_config(
@@ -40,6 +44,8 @@ def test_three_fsdp_steps_on_a_checkpoint_of_each_family(tmp_path: Path, family:
             f"model.path={folder}",
             f"trainer.run_dir={run_dir}",
             "logging.plot=false",
+            f"trainer.fully_async.enabled={str(fully_async).lower()}",
+            f"trainer.algorithm.use_tis={str(fully_async).lower()}",
         )
     )
     history = run(cfg)
@@ -50,6 +56,10 @@ def test_three_fsdp_steps_on_a_checkpoint_of_each_family(tmp_path: Path, family:
         # Every MoE layer of every token routed as the engine did, dense first layer or not.
         assert metrics["r3/router_agreement_trained"] == 1.0
         assert metrics["r3/num_token_layers"] > 0
+    assert "eval/reward_mean" in history[-1]
+    if fully_async:
+        assert [int(m["async/trained_version"]) for m in history] == list(range(STEPS))
+        assert max(m["async/staleness_max"] for m in history) == 1
     # The weights moved (the served-weights check after every push would have stopped
     # the run had the engine not served them).
     assert history[-1]["policy/kl_to_ref"] > 0

@@ -1,7 +1,8 @@
 """End to end with two trainer ranks on Ray (gloo, data parallel x expert parallel 2):
 one GRPO step with R3, per-rank shards, weight sync from rank 0 and per-rank checkpoints,
 and the same step on one rank for reference (fp32 rollouts make both runs see the
-same batch, so two ranks must take the same update up to summation order)."""
+same batch, so two ranks must take the same update up to summation order). Two FSDP
+ranks (``trainer.strategy=fsdp``) take that same one-rank Megatron update too."""
 
 from __future__ import annotations
 
@@ -64,6 +65,10 @@ ONE_RANK = with_overrides(
     "trainer.ckpt_interval=0",
 )
 
+FSDP_TWO_RANKS = with_overrides(
+    [item for item in TWO_RANKS if "megatron_config" not in item], "trainer.strategy=fsdp"
+)
+
 
 @dataclass
 class TwoRankRun:
@@ -119,6 +124,48 @@ def one_rank(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, float]
     with launch(cfg) as job:
         (metrics,) = job.train()
         return metrics, probe(job.server_urls[0], job.api_key)
+
+
+@pytest.fixture(scope="module")
+def fsdp_two_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
+    run_dir = tmp_path_factory.mktemp("fsdp_two") / "run"
+    cfg = load_config([*FSDP_TWO_RANKS, f"trainer.run_dir={run_dir}"])
+    with launch(cfg) as job:
+        (metrics,) = job.train()
+        after = probe(job.server_urls[0], job.api_key)
+        after_reload = reload_and_probe(job, run_dir / "checkpoints" / "step_000001")
+        ranks, received = list(job.policy.ranks), list(job.policy.received_rows)
+    return dict(
+        metrics=metrics, after=after, after_reload=after_reload, ranks=ranks, received=received
+    )
+
+
+def test_two_fsdp_ranks_take_the_update_one_megatron_rank_takes(
+    fsdp_two_ranks: dict, one_rank: tuple[dict[str, float], list[float]]
+) -> None:
+    """Sharded over two data-parallel ranks, transformers' model with gate-hook replay
+    takes Megatron's one-rank step: same loss, norm and served weights (fp32)."""
+    reference, reference_probe = one_rank
+    metrics = fsdp_two_ranks["metrics"]
+    assert [(r.rank, r.dp_rank, r.dp_size, r.ep_size) for r in fsdp_two_ranks["ranks"]] == [
+        (0, 0, 2, 1),
+        (1, 1, 2, 1),
+    ]
+    assert fsdp_two_ranks["received"] == [ROWS // 2, ROWS // 2]
+    assert metrics["reward/mean"] == reference["reward/mean"]  # the same rollouts
+    assert metrics["r3/router_agreement_trained"] == 1.0
+    for key in (
+        "train/policy_loss",
+        "train/grad_norm",
+        "policy/clip_fraction",
+        "train/num_rows",
+        "mismatch_trained/num_tokens",
+        "r3/num_token_layers",
+    ):
+        assert metrics[key] == pytest.approx(reference[key], rel=1e-4, abs=1e-6), key
+    assert fsdp_two_ranks["after"] == pytest.approx(reference_probe, abs=1e-4)
+    # Each rank restored its own shard: the reloaded weights serve the same answer.
+    assert fsdp_two_ranks["after_reload"] == fsdp_two_ranks["after"]
 
 
 def test_trainer_ranks_listen_on_loopback_only(two_ranks: TwoRankRun) -> None:
