@@ -33,16 +33,19 @@ def device_type() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def build_hf_model(checkpoint: str | Path, *, seed: int) -> Any:
+def build_hf_model(checkpoint: str | Path, *, seed: int, attn_implementation: str = "eager") -> Any:
     """transformers' model for the checkpoint's config, fp32, its random init drawn
-    under ``seed`` (the caller's RNG state kept); weights are loaded afterwards."""
+    under ``seed`` (the caller's RNG state kept), attention by ``attn_implementation``
+    (``FSDPConfig.attn_implementation``); weights are loaded afterwards."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(str(checkpoint), local_files_only=True)
     config.use_cache = False
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_config(
+            config, dtype=torch.float32, attn_implementation=attn_implementation
+        )
     return model
 
 

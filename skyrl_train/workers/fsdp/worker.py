@@ -104,7 +104,8 @@ class FSDPPolicyWorker:
         build the optimizer."""
         from skyrl_train.workers.fsdp.replay import GateReplay
 
-        model = build_hf_model(self.checkpoint, seed=self.seed)
+        attention = self.fsdp_config.attn_implementation
+        model = build_hf_model(self.checkpoint, seed=self.seed, attn_implementation=attention)
         if device_type() == "cuda":
             self.device = torch.device("cuda", torch.cuda.current_device())
         model.to(self.device)
@@ -185,15 +186,8 @@ class FSDPPolicyWorker:
         """Every rank is a data-parallel rank (one shard group over the world)."""
         self._require_model()
         rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-        return RankInfo(
-            rank=rank,
-            world_size=world,
-            dp_rank=rank,
-            dp_size=world,
-            ep_size=1,
-            # Every weight is sharded over every rank: each one's export is an all-gather.
-            collective_export=world > 1,
-        )
+        # Every weight is sharded over every rank: each one's export is an all-gather.
+        return RankInfo(rank, world, rank, world, ep_size=1, collective_export=world > 1)
 
     def scheduled_lr(self) -> float:
         """The learning rate the next optimizer step uses (warm-up included)."""

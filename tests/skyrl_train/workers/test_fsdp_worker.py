@@ -159,12 +159,18 @@ def test_checkpoint_state_round_trips_and_swapped_weights_restore(fresh, hf_stat
 def test_activation_checkpointing_and_gathered_layers_change_nothing(
     fresh, checkpoint, hf_state
 ) -> None:
-    """``fsdp_config``'s two memory keys: a recomputed layer replays the same ids and is
-    not captured twice, and a layer kept gathered after a forward still sees weights
-    written after it."""
+    """``fsdp_config``'s memory keys: a recomputed layer replays the same ids and is
+    not captured twice, a layer kept gathered after a forward still sees weights
+    written after it, and the fused attention kernel takes the same step."""
     _, fsdp = fresh
-    config = FSDPConfig(activation_checkpointing=True, reshard_after_forward=False)
+    config = FSDPConfig(
+        activation_checkpointing=True, reshard_after_forward=False, attn_implementation="sdpa"
+    )
     other = build_fsdp(checkpoint, ARCH, optimizer=OPT, pad_token_id=PAD_ID, fsdp_config=config)
+    assert (fsdp.model.config._attn_implementation, other.model.config._attn_implementation) == (
+        "eager",
+        "sdpa",
+    )
     batch = layout_batch(ARCH, vocab=CFG.vocab_size, seed=9)
     # Other weights through a forward (which gathers the layers and keeps them), then
     # the checkpoint's: the second load must reach the shards the step updates.
