@@ -14,9 +14,18 @@ from typing import Protocol
 
 import torch
 
+from skyrl_train.algorithms.mismatch import RouterAgreement, router_agreement
+from skyrl_train.dataset.batch import TrainingBatch
 from skyrl_train.errors import RouteReplayError
 
-__all__ = ["RouteLayout", "check_route_shape", "describe_route_layer", "validate_routes"]
+__all__ = [
+    "RouteLayout",
+    "check_route_shape",
+    "describe_route_layer",
+    "replay_requested",
+    "rollout_agreement",
+    "validate_routes",
+]
 
 
 class RouteLayout(Protocol):
@@ -111,3 +120,46 @@ def validate_routes(
             expected=f"{top_k} distinct experts",
             got=str(ids[b, s, layer].tolist()),
         )
+
+
+def replay_requested(
+    batch: TrainingBatch,
+    replay_routes: bool | None,
+    layout: RouteLayout,
+    *,
+    enabled: bool,
+    enabled_key: str,
+    trajectory_ids: Sequence[str] | None = None,
+) -> bool:
+    """Whether a worker's forward replays ``batch``'s routes, the whole batch validated
+    up front so a bad trajectory is refused before any microbatch ran.
+
+    ``replay_routes=None`` replays when replay is ``enabled`` (the worker's setting,
+    named ``enabled_key`` in the refusal) and the batch carries routes; a replay asked
+    for without routes, or with replay off, is refused."""
+    if replay_routes is None:
+        replay_routes = enabled and batch.routed_experts is not None
+    if not replay_routes:
+        return False
+    if batch.routed_experts is None:
+        raise RouteReplayError("routed_experts", expected="routes to replay", got="None")
+    if not enabled:
+        raise RouteReplayError(enabled_key, expected="true to replay routes", got="false")
+    validate_routes(batch.routed_experts, layout, trajectory_ids=trajectory_ids)
+    return True
+
+
+def rollout_agreement(
+    batch: TrainingBatch, routes: torch.Tensor, layout: RouteLayout
+) -> RouterAgreement:
+    """Agreement of ``routes`` (a forward's captured ``[B, S, L_moe, K]``) with the
+    batch's rollout routes over the real positions the rollout captured
+    (``router_padding_mask`` False), with the token-layer count that weights it across
+    data-parallel ranks."""
+    if batch.routed_experts is None:
+        raise RouteReplayError("routed_experts", expected="routes to compare against", got="None")
+    check_route_shape(batch.routed_experts, layout)
+    skip = ~batch.attention_mask.to(torch.bool)
+    if batch.router_padding_mask is not None:
+        skip = skip | batch.router_padding_mask.to(torch.bool)
+    return router_agreement(routes, batch.routed_experts, skip)

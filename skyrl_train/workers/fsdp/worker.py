@@ -24,11 +24,10 @@ import torch
 
 from inference.models.architecture import MoEArchitecture
 from skyrl_train.algorithms import optim
-from skyrl_train.algorithms.mismatch import RouterAgreement, router_agreement
+from skyrl_train.algorithms.mismatch import RouterAgreement
 from skyrl_train.config.constraints import check_constraints
 from skyrl_train.config.schema import FSDPConfig, OptimizerConfig
 from skyrl_train.dataset.batch import TrainingBatch, batch_to
-from skyrl_train.errors import RouteReplayError
 from skyrl_train.workers import routes as route_checks
 from skyrl_train.workers.base import (
     EntropyLossFn,
@@ -249,17 +248,8 @@ class FSDPPolicyWorker:
     def rollout_router_agreement(
         self, batch: TrainingBatch, routes: torch.Tensor
     ) -> RouterAgreement:
-        """Agreement of ``routes`` with the batch's rollout routes over real rows the
-        rollout captured (as the Megatron worker's)."""
-        if batch.routed_experts is None:
-            raise RouteReplayError(
-                "routed_experts", expected="routes to compare against", got="None"
-            )
-        route_checks.check_route_shape(batch.routed_experts, self._require_gates())
-        skip = ~batch.attention_mask.to(torch.bool)
-        if batch.router_padding_mask is not None:
-            skip = skip | batch.router_padding_mask.to(torch.bool)
-        return router_agreement(routes, batch.routed_experts, skip)
+        """Agreement of ``routes`` with the batch's rollout routes (``workers/routes.py``)."""
+        return route_checks.rollout_agreement(batch, routes, self._require_gates())
 
     # ---- training -----------------------------------------------------------------
 
@@ -377,18 +367,13 @@ class FSDPPolicyWorker:
         replay_routes: bool | None,
         trajectory_ids: Sequence[str] | None,
     ) -> bool:
-        """Decide whether to replay and validate the whole batch's routes up front, so a
-        bad trajectory is refused before any microbatch ran."""
-        gates = self._require_gates()
-        if replay_routes is None:
-            replay_routes = self.routing_replay and batch.routed_experts is not None
-        if not replay_routes:
-            return False
-        if batch.routed_experts is None:
-            raise RouteReplayError("routed_experts", expected="routes to replay", got="None")
-        if not self.routing_replay:
-            raise RouteReplayError(
-                ROUTING_REPLAY_KEY, expected="true to replay routes", got="false"
-            )
-        route_checks.validate_routes(batch.routed_experts, gates, trajectory_ids=trajectory_ids)
-        return True
+        """Decide whether to replay, the whole batch's routes validated up front
+        (``workers/routes.py``)."""
+        return route_checks.replay_requested(
+            batch,
+            replay_routes,
+            self._require_gates(),
+            enabled=self.routing_replay,
+            enabled_key=ROUTING_REPLAY_KEY,
+            trajectory_ids=trajectory_ids,
+        )

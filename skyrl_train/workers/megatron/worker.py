@@ -30,12 +30,12 @@ import torch
 
 from inference.models.architecture import MoEArchitecture
 from skyrl_train.algorithms import optim
-from skyrl_train.algorithms.mismatch import RouterAgreement, router_agreement
+from skyrl_train.algorithms.mismatch import RouterAgreement
 from skyrl_train.config.constraints import check_constraints
-from skyrl_train.config.routing_replay import megatron_replay_enabled
 from skyrl_train.config.schema import MegatronConfig, OptimizerConfig
 from skyrl_train.dataset.batch import TrainingBatch, batch_to
-from skyrl_train.errors import ConfigValidationError, RouteReplayError
+from skyrl_train.errors import ConfigValidationError
+from skyrl_train.workers import routes as route_checks
 from skyrl_train.workers.base import (
     EntropyLossFn,
     ForwardResult,
@@ -275,17 +275,8 @@ class MegatronPolicyWorker:
         self, batch: TrainingBatch, routes: torch.Tensor
     ) -> RouterAgreement:
         """Agreement of ``routes`` (``ForwardResult.routes``: every MoE layer) with the
-        batch's rollout routes over real rows the rollout captured, with the
-        token-layer count that weights it across data-parallel ranks."""
-        if batch.routed_experts is None:
-            raise RouteReplayError(
-                "routed_experts", expected="routes to compare against", got="None"
-            )
-        replay.check_route_shape(batch.routed_experts, self._require_routers())
-        skip = ~batch.attention_mask.to(torch.bool)
-        if batch.router_padding_mask is not None:
-            skip = skip | batch.router_padding_mask.to(torch.bool)
-        return router_agreement(routes, batch.routed_experts, skip)
+        batch's rollout routes (``workers/routes.py``)."""
+        return route_checks.rollout_agreement(batch, routes, self._require_routers())
 
     # ---- training -----------------------------------------------------------------
 
@@ -394,29 +385,17 @@ class MegatronPolicyWorker:
         replay_routes: bool | None,
         trajectory_ids: Sequence[str] | None,
     ) -> bool:
-        """Decide whether to replay and validate the whole batch's routes up front, so
-        a bad trajectory is refused before any microbatch ran."""
+        """Decide whether to replay, the whole batch's routes validated up front
+        (``workers/routes.py``)."""
         routers = self._require_routers()
-        if replay_routes is None:
-            replay_routes = (
-                megatron_replay_enabled(self.megatron_config) and batch.routed_experts is not None
-            )
-        if not replay_routes:
-            return False
-        if batch.routed_experts is None:
-            raise RouteReplayError("routed_experts", expected="routes to replay", got="None")
-        if not routers.replay_enabled:
-            raise RouteReplayError(
-                f"{MEGATRON_CONFIG_KEY}.moe_enable_routing_replay",
-                expected="True to replay routes",
-                got="False",
-            )
-        replay.validate_routes(
-            batch.routed_experts,
+        return route_checks.replay_requested(
+            batch,
+            replay_routes,
             routers,
+            enabled=routers.replay_enabled,
+            enabled_key=f"{MEGATRON_CONFIG_KEY}.moe_enable_routing_replay",
             trajectory_ids=trajectory_ids,
         )
-        return True
 
 
 def _response(
