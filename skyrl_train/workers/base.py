@@ -128,6 +128,26 @@ class TrainStepResult:
     forward (as ``ForwardResult.routes``); only when ``capture_routes=True``."""
 
 
+def check_swapped_weights(
+    params: Mapping[str, torch.Tensor], weights: Mapping[str, torch.Tensor]
+) -> None:
+    """Refuse ``weights`` for ``PolicyWorker.swapped_weights`` unless they name exactly
+    the model's parameters (``params``), each with its shape; before anything swaps."""
+    if weights.keys() != params.keys():
+        missing = sorted(params.keys() - weights.keys())[:3]
+        extra = sorted(weights.keys() - params.keys())[:3]
+        raise ValueError(
+            f"weights: expected this model's {len(params)} parameters, got "
+            f"{len(weights)} (missing {missing}, unexpected {extra})"
+        )
+    for name, param in params.items():
+        if weights[name].shape != param.shape:
+            raise ValueError(
+                f"weights[{name!r}]: expected shape {tuple(param.shape)}, got "
+                f"{tuple(weights[name].shape)}"
+            )
+
+
 @runtime_checkable
 class PolicyWorker(Checkpointable, Protocol):
     """One trainer rank's policy model: the calls ``PolicyTrainer`` makes, with the

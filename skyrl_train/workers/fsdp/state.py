@@ -17,6 +17,7 @@ import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from skyrl_train.algorithms import optim
+from skyrl_train.workers.base import check_swapped_weights
 
 
 def copy_full_(param: torch.Tensor, full: torch.Tensor) -> None:
@@ -45,19 +46,7 @@ def copied_in(
     """``weights`` (every parameter, this rank's shards) in ``params`` inside the block,
     the parameters' own values back on exit, an exception included; refused before
     anything is written when a name or a shape differs."""
-    if weights.keys() != params.keys():
-        missing = sorted(params.keys() - weights.keys())[:3]
-        extra = sorted(weights.keys() - params.keys())[:3]
-        raise ValueError(
-            f"weights: expected this model's {len(params)} parameters, got "
-            f"{len(weights)} (missing {missing}, unexpected {extra})"
-        )
-    for name, param in params.items():
-        if weights[name].shape != param.shape:
-            raise ValueError(
-                f"weights[{name!r}]: expected shape {tuple(param.shape)}, got "
-                f"{tuple(weights[name].shape)}"
-            )
+    check_swapped_weights(params, weights)
     own = {name: param.detach().clone() for name, param in params.items()}
     try:
         copy_params_(params, weights)

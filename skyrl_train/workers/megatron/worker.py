@@ -42,6 +42,7 @@ from skyrl_train.workers.base import (
     LossFn,
     RankInfo,
     TrainStepResult,
+    check_swapped_weights,
 )
 from skyrl_train.workers.batch_layout import score_responses, split_microbatches
 from skyrl_train.workers.megatron import convert, replay
@@ -151,21 +152,10 @@ class MegatronPolicyWorker:
         forward in here replays routes exactly as the policy's does.
         """
         params = dict(self._require_model().named_parameters())
-        if weights.keys() != params.keys():
-            missing = sorted(params.keys() - weights.keys())[:3]
-            extra = sorted(weights.keys() - params.keys())[:3]
-            raise ValueError(
-                f"weights: expected this model's {len(params)} parameters, got "
-                f"{len(weights)} (missing {missing}, unexpected {extra})"
-            )
+        check_swapped_weights(params, weights)
         own: dict[str, torch.Tensor] = {}
         try:
             for name, param in params.items():
-                if weights[name].shape != param.shape:
-                    raise ValueError(
-                        f"weights[{name!r}]: expected shape {tuple(param.shape)}, got "
-                        f"{tuple(weights[name].shape)}"
-                    )
                 own[name] = param.data
                 param.data = weights[name]
             yield
