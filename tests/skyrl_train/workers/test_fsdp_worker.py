@@ -235,6 +235,19 @@ def test_bad_input_is_refused_naming_it(fresh, checkpoint, hf_state) -> None:
     bad.routed_experts[0, -1, 0, 0] = CFG.num_experts
     with pytest.raises(RouteReplayError):
         fsdp.forward(bad, replay_routes=True)
+    # A reference snapshot short of one parameter, or of another shape: refused before
+    # anything is written, the model's own weights kept.
+    before = fsdp.forward(batch).logprobs
+    snapshot = fsdp.parameter_snapshot()
+    short = {n: t for n, t in snapshot.items() if n != "model.norm.weight"}
+    with pytest.raises(ValueError, match=r"missing \['model.norm.weight'\]"):
+        with fsdp.swapped_weights(short):
+            pass
+    odd = {**snapshot, "model.norm.weight": torch.zeros(3)}
+    with pytest.raises(ValueError, match=r"weights\['model.norm.weight'\]: expected shape"):
+        with fsdp.swapped_weights(odd):
+            pass
+    assert torch.equal(fsdp.forward(batch).logprobs, before)
 
 
 # ---- two data-parallel ranks --------------------------------------------------------
