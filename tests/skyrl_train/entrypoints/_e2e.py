@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import os
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -172,3 +174,38 @@ def _decode_address(hex_address: str) -> tuple[str, int]:
     if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
         return str(address.ipv4_mapped), int(port, 16)
     return str(address), int(port, 16)
+
+
+REPO = Path(__file__).resolve().parents[3]
+
+
+def export_with_script(checkpoint: Path, out: Path) -> subprocess.CompletedProcess[str]:
+    """``scripts/export_hf.py`` run on ``checkpoint`` into ``out`` (the ranks rebuilt
+    from the checkpoint's run config, on a Ray of its own); asserts it succeeded."""
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "scripts" / "export_hf.py"),
+            "--checkpoint",
+            str(checkpoint),
+            "--out",
+            str(out),
+        ],
+        cwd=REPO,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)},
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc
+
+
+def safetensors_weights(folder: Path) -> dict[str, Any]:
+    """Every tensor of an export's safetensors files, by name."""
+    from safetensors.torch import load_file
+
+    out: dict[str, Any] = {}
+    for path in sorted(folder.glob("*.safetensors")):
+        out.update(load_file(str(path)))
+    return out

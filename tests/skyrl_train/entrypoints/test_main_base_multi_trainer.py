@@ -17,6 +17,7 @@ import pytest
 import torch
 from _e2e import (
     SMALL,
+    export_with_script,
     listening_sockets,
     new_pids,
     probe,
@@ -24,6 +25,7 @@ from _e2e import (
     ray_actor_pids,
     ray_daemon_pids,
     reload_and_probe,
+    safetensors_weights,
     with_overrides,
 )
 
@@ -136,7 +138,12 @@ def fsdp_two_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object
         after_reload = reload_and_probe(job, run_dir / "checkpoints" / "step_000001")
         ranks, received = list(job.policy.ranks), list(job.policy.received_rows)
     return dict(
-        metrics=metrics, after=after, after_reload=after_reload, ranks=ranks, received=received
+        metrics=metrics,
+        after=after,
+        after_reload=after_reload,
+        ranks=ranks,
+        received=received,
+        run_dir=run_dir,
     )
 
 
@@ -166,6 +173,21 @@ def test_two_fsdp_ranks_take_the_update_one_megatron_rank_takes(
     assert fsdp_two_ranks["after"] == pytest.approx(reference_probe, abs=1e-4)
     # Each rank restored its own shard: the reloaded weights serve the same answer.
     assert fsdp_two_ranks["after_reload"] == fsdp_two_ranks["after"]
+
+
+def test_the_export_script_joins_the_fsdp_shards_of_a_checkpoint(
+    fsdp_two_ranks: dict, tmp_path: Path
+) -> None:
+    """``scripts/export_hf.py`` rebuilds the two FSDP ranks from the step-1 checkpoint
+    (its run config names the backend) and writes, tensor for tensor, the export the
+    run wrote after the same step."""
+    run_dir = fsdp_two_ranks["run_dir"]
+    out = tmp_path / "exported"
+    export_with_script(run_dir / "checkpoints" / "step_000001", out)
+    exported = safetensors_weights(out)
+    in_run = safetensors_weights(run_dir / "exports" / "global_step_1")
+    assert exported.keys() == in_run.keys() and len(exported) > 0
+    assert all(torch.equal(exported[name], in_run[name]) for name in exported)
 
 
 def test_trainer_ranks_listen_on_loopback_only(two_ranks: TwoRankRun) -> None:

@@ -10,15 +10,19 @@ rank's first step."""
 from __future__ import annotations
 
 import math
-import os
-import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
-from _e2e import SMALL, probe, reload_and_probe, with_overrides
+from _e2e import (
+    SMALL,
+    export_with_script,
+    probe,
+    reload_and_probe,
+    safetensors_weights,
+    with_overrides,
+)
 
 from skyrl_train.config.compose import load_config
 from skyrl_train.config.schema import PPOConfig
@@ -27,7 +31,6 @@ from skyrl_train.trainer.policy import RankInfo
 
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parents[3]
 
 MC = "trainer.policy.megatron_config"
 TENSOR_PARALLEL = with_overrides(
@@ -140,15 +143,6 @@ def test_the_first_step_is_the_one_rank_step(
     assert_the_one_rank_step(tensor_parallel.history[0], one_rank[0])
 
 
-def _weights(folder: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    out: dict[str, torch.Tensor] = {}
-    for path in sorted(folder.glob("*.safetensors")):
-        out.update(load_file(str(path)))
-    return out
-
-
 def test_the_export_script_gathers_both_shards_of_a_checkpoint(
     tensor_parallel: Run, tmp_path: Path
 ) -> None:
@@ -156,25 +150,12 @@ def test_the_export_script_gathers_both_shards_of_a_checkpoint(
     writes, tensor for tensor, the export the run wrote after the same step."""
     run_dir = Path(tensor_parallel.cfg.trainer.run_dir)
     out = tmp_path / "exported"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(REPO / "scripts" / "export_hf.py"),
-            "--checkpoint",
-            str(run_dir / "checkpoints" / "step_000001"),
-            "--out",
-            str(out),
-        ],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=400,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    proc = export_with_script(run_dir / "checkpoints" / "step_000001", out)
     assert "experts 1, tensor 2;" in proc.stdout, proc.stdout
-    exported, in_run = _weights(out), _weights(run_dir / "exports" / "global_step_1")
+    exported, in_run = (
+        safetensors_weights(out),
+        safetensors_weights(run_dir / "exports" / "global_step_1"),
+    )
     assert exported.keys() == in_run.keys()
     assert all(torch.equal(exported[name], in_run[name]) for name in exported)
 
@@ -183,8 +164,8 @@ def test_the_export_gathers_whole_tensors(
     tensor_parallel: Run, one_rank: tuple[dict[str, float], Path]
 ) -> None:
     step = Path("exports") / "global_step_1"
-    sharded = _weights(Path(tensor_parallel.cfg.trainer.run_dir) / step)
-    single = _weights(one_rank[1] / step)
+    sharded = safetensors_weights(Path(tensor_parallel.cfg.trainer.run_dir) / step)
+    single = safetensors_weights(one_rank[1] / step)
     assert {n: t.shape for n, t in sharded.items()} == {n: t.shape for n, t in single.items()}
     # AdamW's first step turns rounding in near-zero gradients into weight differences
     # (docs/parallel-layouts.md); the rest of the update is the one rank's. Measured on
@@ -212,8 +193,8 @@ def test_tensor_x_expert_parallel_trains_with_every_route_replayed_as_one_rank(
     assert_the_one_rank_step(run.history[0], one_rank[0])
     # The export gathers experts over EP (not TP): whole tensors, the one rank's update.
     step = Path("exports") / "global_step_1"
-    sharded = _weights(Path(run.cfg.trainer.run_dir) / step)
-    whole = _weights(one_rank[1] / step)
+    sharded = safetensors_weights(Path(run.cfg.trainer.run_dir) / step)
+    whole = safetensors_weights(one_rank[1] / step)
     assert {n: t.shape for n, t in sharded.items()} == {n: t.shape for n, t in whole.items()}
     total = sum(t.numel() for t in whole.values())
     beyond = sum(int((sharded[n] - whole[n]).abs().gt(1e-5).sum()) for n in whole)
