@@ -24,11 +24,12 @@ def build_worker(
     cfg: PPOConfig,
     *,
     architecture: MoEArchitecture,
-    checkpoint: str | Path,
     pad_token_id: int,
+    checkpoint: str | Path | None = None,
     rank: int = 0,
     world_size: int = 1,
     init_method: str = "env://",
+    strategy: str | None = None,
 ) -> PolicyWorker:
     """Join torch.distributed as ``rank`` of ``world_size`` (unless this process
     already has a group) and build the ``trainer.strategy`` backend's worker, set up:
@@ -36,8 +37,10 @@ def build_worker(
 
     ``checkpoint`` is the model folder the ranks load weights from (the FSDP worker
     builds transformers' model class from it); ``cfg`` has been validated, so its
-    replay mode is ``trainer.policy.routing_replay`` alone."""
-    strategy = cfg.trainer.strategy
+    replay mode is ``trainer.policy.routing_replay`` alone. ``strategy`` (None: the
+    config's ``trainer.strategy``) builds another backend on the same config, as the
+    differential tests do."""
+    strategy = cfg.trainer.strategy if strategy is None else strategy
     if strategy not in STRATEGIES:
         # validate_cfg refuses it first (the schema's choices); a config that skipped
         # validation gets the same words.
@@ -49,6 +52,11 @@ def build_worker(
     policy = cfg.trainer.policy
     joined = torch.distributed.is_initialized()
     if strategy == "fsdp":
+        if checkpoint is None:
+            raise ValueError(
+                "checkpoint: expected the model folder the FSDP worker builds "
+                "transformers' model class from, got None"
+            )
         from skyrl_train.utils.distributed import init_distributed
         from skyrl_train.workers.fsdp.worker import FSDPPolicyWorker
 

@@ -109,6 +109,25 @@ def test_megatron_gets_the_runs_replay_mode_in_its_node(
     assert built.kwargs["pad_token_id"] == 7 and built.kwargs["seed"] == cfg.trainer.seed
 
 
+def test_strategy_builds_the_other_backend_on_the_same_config(
+    monkeypatch: pytest.MonkeyPatch, recorder: type[Recorder]
+) -> None:
+    """The differential tests' way in: one config, each backend by name."""
+    from skyrl_train.workers.fsdp import worker as fsdp_worker
+
+    monkeypatch.setattr(fsdp_worker, "FSDPPolicyWorker", recorder)
+    cfg = load_config([])  # trainer.strategy=megatron
+    built = factory.build_worker(
+        cfg, architecture=ARCHITECTURE, checkpoint="/models/tiny", pad_token_id=7, strategy="fsdp"
+    )
+    assert recorder.built == [built] and built.args[0] == "/models/tiny"
+    with pytest.raises(ValueError, match=r"^checkpoint: expected the model folder .* got None"):
+        factory.build_worker(cfg, architecture=ARCHITECTURE, pad_token_id=7, strategy="fsdp")
+    with pytest.raises(ValueError, match=r"^trainer.strategy: expected one of megatron, fsdp"):
+        factory.build_worker(cfg, architecture=ARCHITECTURE, pad_token_id=7, strategy="tpu")
+    assert len(recorder.built) == 1
+
+
 def test_the_trainer_passes_its_model_folder(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
