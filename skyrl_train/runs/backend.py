@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from skyrl_train.errors import ConfigValidationError
+from skyrl_train.errors import ConfigValidationError, SkyRLTrainError
 
 STRATEGY_KEY = "strategy"
 """A rank file's backend, as ``trainer.strategy`` names it."""
@@ -32,7 +32,7 @@ def check_strategy(folder: Path, saved: str, *, strategy: str) -> None:
         )
 
 
-class StateMismatch(ValueError):
+class StateMismatch(SkyRLTrainError, ValueError):
     """A ``checkpoint_state`` entry that does not fit the worker loading it (a missing
     parameter, another shape or dtype, another backend's state), raised by
     ``load_checkpoint_state`` before it changes anything; the resume re-raises it as a
