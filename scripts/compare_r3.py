@@ -63,27 +63,49 @@ ARMS: dict[str, tuple[str, list[str]]] = {
         ],
     ),
 }
-# (metric key, label, how a run's history reduces to one number)
+# (name in the summary, metric key, label, how a run's history reduces to one number);
+# names are unique: one metric may be reduced twice (final and best eval).
 ROWS = (
-    ("reward/mean", "train reward, last 5 steps", "last5"),
-    ("eval/reward_mean", "eval reward (greedy), final", "last"),
-    ("eval/reward_mean", "eval reward (greedy), best", "max"),
-    ("eval/success_rate", "eval success (greedy), final", "last"),
-    ("reward/success_rate", "train success, last 5 steps", "last5"),
-    ("r3/router_agreement_trained", "router agreement (training forward)", "mean"),
-    ("mismatch_trained/mean_abs_logp_diff", "mean |Δlogp|", "mean"),
-    ("mismatch_trained/max_abs_logp_diff", "max |Δlogp|", "max"),
-    ("mismatch_trained/k3_kl", "k3 KL(rollout||trainer)", "mean"),
-    ("mismatch_trained/frac_abs_logp_diff_gt_ln2", "share |Δlogp| > ln 2", "mean"),
-    ("policy/entropy", "policy entropy, last step", "last"),
-    ("timing/train_s", "train time per step [s]", "mean"),
+    ("reward/mean", "reward/mean", "train reward, last 5 steps", "last5"),
+    ("eval/reward_mean", "eval/reward_mean", "eval reward (greedy), final", "last"),
+    ("eval/reward_mean_best", "eval/reward_mean", "eval reward (greedy), best", "max"),
+    ("eval/success_rate", "eval/success_rate", "eval success (greedy), final", "last"),
+    ("reward/success_rate", "reward/success_rate", "train success, last 5 steps", "last5"),
+    (
+        "r3/router_agreement_trained",
+        "r3/router_agreement_trained",
+        "router agreement (training forward)",
+        "mean",
+    ),
+    (
+        "mismatch_trained/mean_abs_logp_diff",
+        "mismatch_trained/mean_abs_logp_diff",
+        "mean |Δlogp|",
+        "mean",
+    ),
+    (
+        "mismatch_trained/max_abs_logp_diff",
+        "mismatch_trained/max_abs_logp_diff",
+        "max |Δlogp|",
+        "max",
+    ),
+    ("mismatch_trained/k3_kl", "mismatch_trained/k3_kl", "k3 KL(rollout||trainer)", "mean"),
+    (
+        "mismatch_trained/frac_abs_logp_diff_gt_ln2",
+        "mismatch_trained/frac_abs_logp_diff_gt_ln2",
+        "share |Δlogp| > ln 2",
+        "mean",
+    ),
+    ("policy/entropy", "policy/entropy", "policy entropy, last step", "last"),
+    ("timing/train_s", "timing/train_s", "train time per step [s]", "mean"),
 )
 
 
 def reduce_history(history: list[dict[str, float]]) -> dict[str, float]:
-    """One number per metric of one run (``ROWS``' reductions); absent metrics skipped."""
+    """One number per row of one run (``ROWS``' reductions, by row name); absent metrics
+    skipped."""
     out: dict[str, float] = {}
-    for key, _label, how in ROWS:
+    for name, key, _label, how in ROWS:
         values = [h[key] for h in history if h.get(key) is not None]
         if not values:
             continue
@@ -93,7 +115,7 @@ def reduce_history(history: list[dict[str, float]]) -> dict[str, float]:
             "last": lambda v: v[-1],
             "last5": lambda v: np.mean(v[-5:]),
         }[how]
-        out[key] = float(reduce(values))
+        out[name] = float(reduce(values))
     return out
 
 
@@ -291,7 +313,7 @@ def main() -> None:
     summary = {
         arm: {
             key: spread([r[key] for r in runs])
-            for key, _label, _how in ROWS
+            for key, _metric, _label, _how in ROWS
             if all(key in r for r in runs)
         }
         for arm, runs in reduced.items()
@@ -312,7 +334,7 @@ def main() -> None:
     print(title)
     print(f"{'metric (mean ± std over seeds [min..max])':44s}", end="")
     print("".join(f"{ARMS[a][0]:>36s}" for a in arms))
-    for key, label, _how in ROWS:
+    for key, _metric, label, _how in ROWS:
         cells = []
         for arm in arms:
             s = summary[arm].get(key)

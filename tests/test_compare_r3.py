@@ -98,3 +98,11 @@ def test_strategy_runs_every_arm_on_that_backend(
     with pytest.raises(SystemExit):
         compare.main()
     assert "--strategy: invalid choice: 'tpu'" in capsys.readouterr().err
+
+
+def test_final_and_best_eval_are_reduced_apart() -> None:
+    """Both rows read eval/reward_mean; the best once overwrote the final in the summary."""
+    compare = _module()
+    reduced = compare.reduce_history(_history({10: 0.6, 20: 0.8, 30: 0.7}))
+    assert reduced["eval/reward_mean"] == 0.7
+    assert reduced["eval/reward_mean_best"] == 0.8
