@@ -90,6 +90,14 @@ def check_value(value: Any, path: str, **rules: Any) -> None:
     raise ConfigValidationError(path, expected=f"{sentinels}{kind} {wanted}", got=repr(value))
 
 
+def shown(value: Any) -> str:
+    """A config value as a message shows it, spelled as YAML and the command line write
+    it: ``true``/``false``, ``null``, anything else as its repr."""
+    if value is None:
+        return "null"
+    return str(value).lower() if isinstance(value, bool) else repr(value)
+
+
 _SYMBOL = {"ge": ">=", "gt": ">", "le": "<=", "lt": "<"}
 
 

@@ -17,6 +17,7 @@ import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from skyrl_train.config.constraints import shown
 from skyrl_train.config.routing_replay import megatron_replay_enabled
 from skyrl_train.config.schema import MegatronConfig
 from skyrl_train.errors import ConfigValidationError
@@ -293,7 +294,7 @@ def refuse_replay_incompatible(
             else f"{key_prefix}.transformer_config_kwargs.{rule.field}"
         )
         value = settings[rule.field]
-        shown = str(value).lower() if isinstance(value, bool) else repr(value)
-        found = rule.got(settings) if rule.got else shown
+        # A refused value is never null (each rule refuses a setting, not its absence).
+        found = rule.got(settings) if rule.got else shown(value)
         when = " with routing replay" if rule.replay_only else ""
         raise ConfigValidationError(key, expected=f"{rule.expected}{when} ({rule.why})", got=found)

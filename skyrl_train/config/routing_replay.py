@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import warnings
 
-from skyrl_train.config.constraints import check_value
+from skyrl_train.config.constraints import check_value, shown
 from skyrl_train.config.schema import MegatronConfig, PPOConfig, RoutingReplayConfig
 from skyrl_train.errors import ConfigValidationError
 
@@ -29,10 +29,6 @@ MEGATRON_NODE = "trainer.policy.megatron_config"
 
 ALIASES = {"moe_enable_routing_replay": "enabled", "routing_replay_source": "source"}
 """Deprecated ``megatron_config`` key -> its ``routing_replay`` field."""
-
-
-def _shown(value: object) -> str:
-    return str(value).lower() if isinstance(value, bool) else repr(value)
 
 
 def resolve_routing_replay(cfg: PPOConfig) -> None:
@@ -58,13 +54,13 @@ def resolve_routing_replay(cfg: PPOConfig) -> None:
         if current != getattr(defaults, name) and current != value:
             raise ConfigValidationError(
                 f"{MEGATRON_NODE}.{alias}",
-                expected=f"unset, or equal to {NODE}.{name} ({_shown(current)}), which it is "
+                expected=f"unset, or equal to {NODE}.{name} ({shown(current)}), which it is "
                 "the deprecated alias of",
-                got=_shown(value),
+                got=shown(value),
             )
         warnings.warn(
             f"{MEGATRON_NODE}.{alias} is deprecated: set {NODE}.{name} instead "
-            f"(taken as {NODE}.{name}={_shown(value)})",
+            f"(taken as {NODE}.{name}={shown(value)})",
             FutureWarning,
             stacklevel=2,
         )

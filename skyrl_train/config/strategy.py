@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from skyrl_train.config.constraints import shown
 from skyrl_train.config.megatron_rules import data_parallel_size as megatron_dp_size
 from skyrl_train.config.schema import (
     FSDPConfig,
@@ -68,11 +69,11 @@ def check_strategy_keys(cfg: PPOConfig) -> None:
         for key, value, default in _changed(node, cls(), f"{POLICY}.{name}"):
             raise ConfigValidationError(
                 key,
-                expected=f"{_shown(default)} (its default) with trainer.strategy={strategy}: "
+                expected=f"{shown(default)} (its default) with trainer.strategy={strategy}: "
                 f"a key of the {other} backend, which this run does not use (the "
                 f"{strategy} backend's keys are under "
                 f"{POLICY}.{BACKEND_NODES[strategy][0]})",
-                got=_shown(value),
+                got=shown(value),
             )
 
 
@@ -94,9 +95,3 @@ def _changed(node: Any, default: Any, prefix: str) -> list[tuple[str, Any, Any]]
         elif value != want:
             found.append((key, value, want))
     return found
-
-
-def _shown(value: Any) -> str:
-    if value is None:
-        return "null"
-    return str(value).lower() if isinstance(value, bool) else repr(value)
