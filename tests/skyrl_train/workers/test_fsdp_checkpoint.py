@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+from _ranks import run_ranks
 from torch.distributed.tensor import DTensor
 
 from inference.models.checkpoint import builtin_checkpoint
@@ -352,21 +352,11 @@ def test_two_ranks_round_trip_resume_and_reshard_both_ways(
     one_rank: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    ranks = mp.start_processes(
+    run_ranks(
         _rank_main,
         args=(str(tmp_path / "rendezvous"), str(one_rank["folder"]), str(tmp_path)),
         nprocs=WORLD,
-        join=False,
     )
-    try:
-        while not ranks.join():
-            pass
-    finally:
-        for process in ranks.processes:
-            if process.is_alive():
-                process.terminate()
-        for process in ranks.processes:
-            process.join(timeout=30)
     _assert_equal(torch.load(tmp_path / "from_one.pt", weights_only=True), one_rank["saved"])
 
     # 2 -> 1: this process resumes the two-rank checkpoint on one rank.

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from _fsdp_pairs import build_fsdp, build_pair, layout_batch
 from _megatron_batches import PAD_ID
+from _ranks import run_ranks
 from _step_checks import clipped_grads, steady_worst
 
 from inference.models.checkpoint import builtin_checkpoint
@@ -320,24 +320,11 @@ def test_two_data_parallel_ranks_equal_one_rank(
         "weights": dict(ref.export_weights()),
     }
     torch.save(want, tmp_path / "reference.pt")
-    ranks = mp.start_processes(
+    run_ranks(
         _rank_main,
         args=(str(tmp_path / "rendezvous"), str(checkpoint), str(tmp_path / "reference.pt")),
         nprocs=WORLD,
-        join=False,
     )
-    try:
-        while not ranks.join():
-            pass
-    finally:
-        for process in ranks.processes:
-            if process.is_alive():
-                process.terminate()
-        for process in ranks.processes:
-            process.join(timeout=30)
-            if process.is_alive():
-                process.kill()
-                process.join()
 
 
 def test_the_fsdp_backend_never_imports_megatron(checkpoint) -> None:

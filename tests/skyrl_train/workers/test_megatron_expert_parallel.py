@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from _megatron_batches import PAD_ID, hf_response_logprobs, make_batch, random_routes
+from _ranks import run_ranks
 
 from inference.models.tiny_moe import TinyMoEConfig, build_hf_model
 from skyrl_train.config.schema import MegatronConfig
@@ -90,21 +90,4 @@ def test_two_process_expert_parallel_replay(tmp_path, monkeypatch: pytest.Monkey
     # Spawned ranks read the environment when they import torch: set it for them
     # explicitly (and restore it afterwards) instead of relying on the caller's shell.
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    ranks = mp.start_processes(
-        _rank_main, args=(str(tmp_path / "rendezvous"),), nprocs=WORLD, join=False
-    )
-    try:
-        while not ranks.join():  # a failed rank raises here and the others are stopped
-            pass
-    finally:
-        # A timeout or Ctrl-C lands in this process while the ranks run on: stop them,
-        # or they keep a core busy for the next tests (when the old 120 s limit fired,
-        # the ranks ran on and pytest waited 49 s for them at exit).
-        for process in ranks.processes:
-            if process.is_alive():
-                process.terminate()
-        for process in ranks.processes:
-            process.join(timeout=30)
-            if process.is_alive():
-                process.kill()
-                process.join()
+    run_ranks(_rank_main, args=(str(tmp_path / "rendezvous"),), nprocs=WORLD)

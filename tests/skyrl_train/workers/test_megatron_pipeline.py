@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from _megatron_batches import PAD_ID, make_batch, random_routes
+from _ranks import run_ranks
 from _reshard_checks import PAIRS, reshard_checks
 
 from inference.models.tiny_moe import TinyMoEConfig, build_hf_model
@@ -348,26 +348,11 @@ def _launch(
 ) -> list[dict[str, Any]]:
     """``main(rank, rendezvous, schedule, folder)`` on ``nprocs`` processes; what each
     saved as ``folder/<rank>.pt``."""
-    ranks = mp.start_processes(
+    run_ranks(
         main,
         args=(str(folder / "rendezvous"), schedule, str(folder)),
         nprocs=nprocs,
-        join=False,
     )
-    try:
-        while not ranks.join():  # a failed rank raises here and the others are stopped
-            pass
-    finally:
-        # A timeout or Ctrl-C lands in this process while the ranks run on: stop them,
-        # or they keep a core busy for the next tests.
-        for process in ranks.processes:
-            if process.is_alive():
-                process.terminate()
-        for process in ranks.processes:
-            process.join(timeout=30)
-            if process.is_alive():
-                process.kill()
-                process.join()
     return [torch.load(folder / f"{rank}.pt", weights_only=False) for rank in range(nprocs)]
 
 

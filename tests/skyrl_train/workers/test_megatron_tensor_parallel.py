@@ -17,8 +17,8 @@ from typing import Any
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from _megatron_batches import PAD_ID, make_batch, random_routes
+from _ranks import run_ranks
 from _step_checks import clipped_grads, steady, steady_worst
 
 from inference.models.tiny_moe import TinyMoEConfig, build_hf_model
@@ -246,21 +246,7 @@ def test_tensor_parallel_with_sequence_parallel_matches_one_rank(
     tmp_path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    ranks = mp.start_processes(
-        _rank_main, args=(str(tmp_path / "rendezvous"),), nprocs=WORLD, join=False
-    )
-    try:
-        while not ranks.join():
-            pass
-    finally:
-        for process in ranks.processes:
-            if process.is_alive():
-                process.terminate()
-        for process in ranks.processes:
-            process.join(timeout=30)
-            if process.is_alive():
-                process.kill()
-                process.join()
+    run_ranks(_rank_main, args=(str(tmp_path / "rendezvous"),), nprocs=WORLD)
 
 
 def test_each_sequence_parallel_rank_gets_its_own_contiguous_slice_sequence_first() -> None:
