@@ -294,36 +294,22 @@ def verify_resume(cfg: PPOConfig) -> Checkpoint | None:
 
 def check_resumable(found: Checkpoint, *, strategy: str, num_trainers: int) -> None:
     """Refuse resuming ``found`` under another ``trainer.strategy`` than the backend
-    that wrote it (``runs/backend.py``), or at a world size its rank files cannot
-    reach (``check_world_size``)."""
+    that wrote it (``runs/backend.py``), or at another ``trainer.placement.num_trainers``
+    when its rank files cannot be resharded: written before they recorded their
+    placement (``runs/reshard.py``), each holds a shard only its own layout can place.
+    Rank 0's file is read once for both (mapped: its tensors are not read)."""
     # Imported here: verifying a folder needs only the standard library.
     from skyrl_train.runs.backend import check_strategy
-    from skyrl_train.runs.reshard import saved_layout
+    from skyrl_train.runs.reshard import SavedLayout, saved_layout
 
+    saved: SavedLayout | None
     try:
-        saved: str | None = saved_layout(found.folder).strategy
+        saved = saved_layout(found.folder)
     except CheckpointError:
         saved = None  # the rank that reads the file names what is wrong with it
     if saved is not None:
-        check_strategy(found.folder, saved, strategy=strategy)
-    check_world_size(found, num_trainers=num_trainers)
-
-
-def check_world_size(found: Checkpoint, *, num_trainers: int) -> None:
-    """Refuse resuming ``found`` at another ``trainer.placement.num_trainers`` when its
-    rank files cannot be resharded: written before they recorded their placement
-    (``runs/reshard.py``), each holds a shard only its own layout can place."""
-    if found.world_size == num_trainers:
-        return
-    # Imported here: verifying a folder needs only the standard library, and a resume
-    # at its own world size never reads a rank file before Ray.
-    from skyrl_train.runs.reshard import saved_layout
-
-    try:
-        reshardable = saved_layout(found.folder).reshardable
-    except CheckpointError:
-        reshardable = False
-    if not reshardable:
+        check_strategy(found.folder, saved.strategy, strategy=strategy)
+    if found.world_size != num_trainers and not (saved is not None and saved.reshardable):
         raise ConfigValidationError(
             "trainer.placement.num_trainers",
             expected=f"the world size {found.world_size} that {str(found.folder)!r} was "
