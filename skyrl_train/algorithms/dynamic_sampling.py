@@ -7,7 +7,9 @@ collapses onto one guess sequence. Two remedies, named as in SkyRL:
 
 - ``filter`` (DAPO): keep the groups that vary and sample more prompts until a full
   batch varies (``plan_filter``);
-- ``replace`` (POLARIS): copy varying groups over the flat ones (``plan_replace``).
+- ``replace`` (POLARIS): copy varying groups over the flat ones (``plan_replace``);
+- ``filter_flat_steps``: ``filter`` only on a step ``skip_flat_steps`` would leave out
+  (``is_learned_flat_step``), so a stuck policy's step can still find a varying group.
 
 Both keep the batch at ``train_batch_size`` whole groups, so mini-batch sizes and data
 parallel shards never change shape; plans are lists of group indices, applied to the
@@ -68,12 +70,18 @@ def loss_rows(
     """
     if group_size < 2 or estimator not in GROUPED_ESTIMATORS:
         return None
-    varying = varying_groups(rewards, group_size)
     if zero_variance_filter:
+        varying = varying_groups(rewards, group_size)
         return torch.tensor([v for v in varying for _ in range(group_size)])
-    if skip_flat_steps and not any(varying) and len(set(rewards)) > 1:
+    if skip_flat_steps and is_learned_flat_step(rewards, group_size):
         return torch.zeros(len(rewards), dtype=torch.bool)
     return None
+
+
+def is_learned_flat_step(rewards: Sequence[float], group_size: int) -> bool:
+    """Every group flat while some prompts pay more than others: the step
+    ``skip_flat_steps`` leaves out, and the one ``filter_flat_steps`` samples more for."""
+    return not any(varying_groups(rewards, group_size)) and len(set(rewards)) > 1
 
 
 def plan_filter(rounds: Sequence[Sequence[bool]], num_groups: int) -> list[tuple[int, int]]:

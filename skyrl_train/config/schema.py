@@ -380,10 +380,13 @@ class DynamicSamplingConfig:
     """Zero-variance groups (every sample of a prompt scored the same) carry no GRPO
     gradient; these options trade extra generation for fewer of them (DAPO, POLARIS)."""
 
-    type: str | None = setting(None, choices=("filter", "replace"))
+    type: str | None = setting(None, choices=("filter", "filter_flat_steps", "replace"))
     """None: train on what was sampled. "filter" (DAPO): drop flat groups and sample
     more prompts until ``trainer.train_batch_size`` groups vary, at most
     ``max_sample_batches`` batches a step (short: flat groups fill the rest).
+    "filter_flat_steps": "filter" only on a step whose groups are all flat while some
+    prompts pay more than others (the step ``skip_flat_steps`` leaves out); other steps
+    train on what was sampled and cost no extra round.
     "replace" (POLARIS): copy groups that vary over the flat ones, when at least
     ``min_replace_ratio`` of the groups vary."""
     max_sample_batches: int = setting(4, ge=1)

@@ -41,6 +41,7 @@ from skyrl_train.algorithms import (
     zero_variance_group_fraction,
 )
 from skyrl_train.algorithms.dynamic_sampling import (
+    is_learned_flat_step,
     loss_rows,
     plan_filter,
     plan_replace,
@@ -390,6 +391,8 @@ class GRPOLoop:
             )
             chosen = first.take(trajectory_indices(plan, n))
             rounds = 1
+        elif ds.type == "filter_flat_steps" and not is_learned_flat_step(first.rewards, n):
+            chosen, rounds = first, 1
         else:
             outputs, flags = [first], [varying_groups(first.rewards, n)]
             while len(outputs) < ds.max_sample_batches and sum(map(sum, flags)) < num_groups:

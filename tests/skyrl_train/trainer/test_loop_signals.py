@@ -307,3 +307,65 @@ def test_replace_copies_the_varying_group_over_the_flat_one(
     )
     assert rows[0]["dynamic_sampling/varying_group_frac"] == 0.5
     assert worker.advantages[0][2:].abs().sum().item() == 0.0
+
+
+class LearnedFlatGenerator(RoundGenerator):
+    """Step 1's first round is a learned flat step: group 0 scores (1, 1), group 1
+    (0, 0), so every group is flat but the prompts pay differently; step 2's first round
+    is ``SolvedGenerator``'s (group 0 varies). Extra rounds as ``RoundGenerator``: every
+    group varies, unless ``stuck`` (then they are as flat as step 1's first)."""
+
+    stuck = False
+
+    async def generate(self, inputs: Any, *, seed: int | None = None) -> GeneratorOutput:
+        out = await super().generate(inputs, seed=seed)
+        if self.evaluation or not (seed == 1 or (self.extra and self.stuck)):
+            return out
+        rewards = [1.0, 1.0, 0.0, 0.0]
+        return dataclasses.replace(out, rewards=rewards, solved=[r == 1.0 for r in rewards])
+
+
+def test_filter_flat_steps_samples_more_only_on_a_step_the_guard_would_skip(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(loop_module, "GymGenerator", LearnedFlatGenerator)
+    monkeypatch.setattr(RoundGenerator, "rounds", [])
+    options = ("trainer.algorithm.dynamic_sampling.max_sample_batches=3",)
+    rows, _, worker = _run(
+        tmp_path, "grpo", "trainer.algorithm.dynamic_sampling.type=filter_flat_steps", *options
+    )
+    # Step 1 sampled one more round and found two varying groups; step 2 had a varying
+    # group of its own, so it sampled no more (plain "filter" would have).
+    assert RoundGenerator.rounds == [0, 1, 0]
+    assert [row["dynamic_sampling/rounds"] for row in rows] == [2.0, 1.0]
+    assert [row["dynamic_sampling/varying_group_frac"] for row in rows] == [1.0, 0.5]
+    # Logged as the policy's own first round: every group flat on step 1.
+    assert rows[0]["advantage/zero_variance_group_frac"] == 1.0
+    # Step 1 trained (the guard had nothing to leave out) on the extra round's groups.
+    assert rows[0]["train/skipped_optimizer_steps"] == 0.0
+    assert (worker.advantages[0][:, 0] != 0).all()
+
+    # Without it the same step is the guard's: no optimizer step, no extra round.
+    monkeypatch.setattr(RoundGenerator, "rounds", [])
+    rows, _, _ = _run(tmp_path / "off", "grpo", *options)
+    assert RoundGenerator.rounds == [0, 0]
+    assert [row["train/skipped_optimizer_steps"] for row in rows] == [1.0, 0.0]
+
+
+def test_filter_flat_steps_keeps_the_guard_when_every_round_is_flat(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(loop_module, "GymGenerator", LearnedFlatGenerator)
+    monkeypatch.setattr(RoundGenerator, "rounds", [])
+    monkeypatch.setattr(LearnedFlatGenerator, "stuck", True)
+    rows, _, _ = _run(
+        tmp_path,
+        "grpo",
+        "trainer.algorithm.dynamic_sampling.type=filter_flat_steps",
+        "trainer.algorithm.dynamic_sampling.max_sample_batches=3",
+    )
+    # Three rounds, all flat: the batch is still a learned flat step, so no update.
+    assert RoundGenerator.rounds == [0, 1, 1, 0]
+    assert rows[0]["dynamic_sampling/rounds"] == 3.0
+    assert rows[0]["dynamic_sampling/varying_group_frac"] == 0.0
+    assert rows[0]["train/skipped_optimizer_steps"] == 1.0
