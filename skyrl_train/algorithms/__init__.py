@@ -45,6 +45,8 @@ from skyrl_train.algorithms.sampler_replay import (
     sampler_logits,
 )
 from skyrl_train.algorithms.signals import (
+    ENTROPY_BOOST_CAP,
+    entropy_coefficient,
     mean_token_entropy,
     success_rate,
     token_entropy,
@@ -59,6 +61,7 @@ from skyrl_train.algorithms.token_mean import (
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
+    "ENTROPY_BOOST_CAP",
     "GROUPED_ESTIMATORS",
     "MISSING_LOGPROB",
     "POLICY_LOSS_TYPES",
@@ -83,6 +86,7 @@ __all__ = [
     "kept_set",
     "kl_penalty",
     "logprob_mismatch",
+    "entropy_coefficient",
     "mean_token_entropy",
     "microbatch_denominator",
     "microbatch_loss_weight",

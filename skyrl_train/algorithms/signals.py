@@ -31,6 +31,20 @@ def mean_token_entropy(entropy: torch.Tensor, loss_mask: torch.Tensor) -> float:
     return float(token_mean_entropy(entropy.detach().float(), loss_mask))
 
 
+ENTROPY_BOOST_CAP = 10.0
+"""The most ``entropy_target`` raises the bonus coefficient: near a one-hot policy the
+entropy, and with it the ratio, goes to 0."""
+
+
+def entropy_coefficient(coef: float, *, target: float | None, entropy: float) -> float:
+    """The step's entropy-bonus coefficient (``trainer.algorithm.entropy_target``):
+    ``coef`` at or above ``target`` nats (or with no target), raised in proportion to
+    how far ``entropy`` is below it, at most ``ENTROPY_BOOST_CAP`` times, below."""
+    if target is None or entropy >= target:
+        return coef
+    return coef * min(ENTROPY_BOOST_CAP, target / max(entropy, 1e-12))
+
+
 def zero_variance_group_fraction(
     rewards: torch.Tensor, group_ids: Sequence[Hashable] | torch.Tensor
 ) -> float:

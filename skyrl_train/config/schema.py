@@ -430,6 +430,12 @@ class AlgorithmConfig:
     """Subtracts ``entropy_loss_coef`` x the token-mean entropy of the policy from the
     loss: a bonus that slows the collapse onto one answer."""
     entropy_loss_coef: float = setting(0.05, ge=0.0)
+    entropy_target: float | None = setting(None, gt=0.0)
+    """Nats per token. Set: a step whose policy entropy (the old-logprob forward's, over
+    the policy's own tokens) is below this trains with the bonus coefficient raised to
+    ``entropy_loss_coef * entropy_target / entropy`` (at most ``ENTROPY_BOOST_CAP``
+    times the coefficient), so groups keep varying instead of settling on one answer a
+    prompt; at or above it the coefficient is ``entropy_loss_coef``. Null: constant."""
     skip_flat_steps: bool = True
     """A step whose groups are all flat (every sample of each prompt scored the same)
     while some prompts pay more than others makes no optimizer step: its policy

@@ -29,6 +29,7 @@ from inference.models.checkpoint import inspect_checkpoint
 from skyrl_train.algorithms import (
     MetricSums,
     OffPolicyCorrection,
+    entropy_coefficient,
     gspo_policy_loss,
     kl_penalty,
     logprob_mismatch,
@@ -45,6 +46,7 @@ from skyrl_train.runs.reshard import rank_checkpoint, restore_rank
 from skyrl_train.trainer.data_parallel import ROWS_KEY
 from skyrl_train.trainer.finite import require_finite, require_finite_weights
 from skyrl_train.trainer.weight_sync import WeightSyncer
+from skyrl_train.utils.distributed import collective_device
 from skyrl_train.utils.ray_session import rendezvous_url
 from skyrl_train.workers.base import PolicyWorker, RankInfo
 
@@ -220,9 +222,17 @@ class PolicyTrainer:
             metrics.mean("policy/kl_to_ref", kl * own_tokens, own_tokens)
             if t.algorithm.use_kl_loss:
                 batch.ref_logprobs = ref_logprobs
+        entropy_coef = self._entropy_coef(as_trained.entropy, batch.loss_mask)
+        if t.algorithm.use_entropy_loss:
+            metrics.mean("policy/entropy_coef", entropy_coef, 1.0)
         metrics.merge(
             self._update(
-                batch, replay=replay, r2=r2, mini_batch_tokens=mini_batch_tokens, step=step
+                batch,
+                replay=replay,
+                r2=r2,
+                mini_batch_tokens=mini_batch_tokens,
+                step=step,
+                entropy_coef=entropy_coef,
             )
         )
         # Each rank checks its own parameters: together they cover every expert shard.
@@ -232,6 +242,25 @@ class PolicyTrainer:
         metrics.total(ROWS_KEY, float(batch.batch_size))
         return metrics
 
+    def _entropy_coef(self, entropy: torch.Tensor | None, loss_mask: torch.Tensor) -> float:
+        """The step's bonus coefficient (``entropy_target``), from the whole step's token
+        mean entropy: every rank trains with the same one. Ranks without logprobs (not
+        the last pipeline stage) add nothing to the mean."""
+        algo = self.cfg.trainer.algorithm
+        if algo.entropy_target is None:
+            return algo.entropy_loss_coef
+        sums = torch.zeros(2, dtype=torch.float64, device=collective_device())
+        if entropy is not None:
+            mask = loss_mask.to(entropy.device).bool()
+            sums[0] = entropy.detach().double()[mask].sum()
+            sums[1] = float(mask.sum())
+        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+            # Ranks holding the same rows (tensor/pipeline/context copies) add them
+            # alike, so the ratio is still the data-parallel batch's mean.
+            torch.distributed.all_reduce(sums)
+        mean = float(sums[0] / sums[1]) if float(sums[1]) else 0.0
+        return entropy_coefficient(algo.entropy_loss_coef, target=algo.entropy_target, entropy=mean)
+
     def _update(
         self,
         batch: TrainingBatch,
@@ -240,6 +269,7 @@ class PolicyTrainer:
         r2: bool,
         mini_batch_tokens: Sequence[float] | None,
         step: int,
+        entropy_coef: float,
     ) -> MetricSums:
         t, dp = self.cfg.trainer, self.info.dp_size
         mini = t.policy_mini_batch_size * self.cfg.generator.n_samples_per_prompt // dp
@@ -280,7 +310,9 @@ class PolicyTrainer:
                     global_tokens, rows=part.batch_size, micro_batch_size=micro, dp_size=dp
                 )
 
-                loss_fn = self._loss_fn(tokens, clip_counts, off_policy if epoch == 0 else None)
+                loss_fn = self._loss_fn(
+                    tokens, clip_counts, off_policy if epoch == 0 else None, entropy_coef
+                )
                 result = self.worker.train_step(
                     part,
                     loss_fn=loss_fn,
@@ -340,6 +372,7 @@ class PolicyTrainer:
         tokens: float,
         clip_counts: list[tuple[float, float]],
         off_policy: MetricSums | None,
+        entropy_coef: float,
     ) -> Any:
         """``off_policy``: where each microbatch's correction counts go (None: dropped)."""
         algo = self.cfg.trainer.algorithm
@@ -392,7 +425,7 @@ class PolicyTrainer:
                         "trainer.algorithm.use_entropy_loss, got None"
                     )
                 bonus = token_mean_entropy(entropy, mask, denominator=tokens)
-                loss = loss - algo.entropy_loss_coef * bonus
+                loss = loss - entropy_coef * bonus
             return loss
 
         return loss_fn

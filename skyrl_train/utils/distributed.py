@@ -24,3 +24,11 @@ def init_distributed(*, rank: int, world_size: int, init_method: str) -> None:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     else:
         dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size)
+
+
+def collective_device() -> torch.device:
+    """Where a tensor for a default-group collective lives: this process's current GPU
+    under nccl, the CPU under gloo (``init_distributed``'s choice of backend)."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

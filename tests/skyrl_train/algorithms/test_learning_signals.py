@@ -8,7 +8,9 @@ import pytest
 import torch
 
 from skyrl_train.algorithms import (
+    ENTROPY_BOOST_CAP,
     contiguous_groups,
+    entropy_coefficient,
     mean_token_entropy,
     success_rate,
     token_entropy,
@@ -50,3 +52,12 @@ def test_success_rate_over_reporting_trajectories() -> None:
     assert success_rate([True, None, False]) == 0.5  # None: that environment never said
     assert success_rate([None, None]) is None
     assert success_rate([]) is None
+
+
+def test_entropy_coefficient_rises_only_below_the_target_and_at_most_by_the_cap() -> None:
+    assert entropy_coefficient(0.03, target=None, entropy=0.01) == 0.03  # no target
+    assert entropy_coefficient(0.03, target=0.3, entropy=0.3) == 0.03  # at it
+    assert entropy_coefficient(0.03, target=0.3, entropy=4.5) == 0.03  # above: never less
+    assert entropy_coefficient(0.03, target=0.3, entropy=0.1) == pytest.approx(0.09)
+    assert entropy_coefficient(0.03, target=0.3, entropy=0.001) == 0.03 * ENTROPY_BOOST_CAP
+    assert entropy_coefficient(0.03, target=0.3, entropy=0.0) == 0.03 * ENTROPY_BOOST_CAP

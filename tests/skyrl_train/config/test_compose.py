@@ -199,7 +199,7 @@ def test_wrong_type_fails_at_composition_naming_the_key(
         ("trainer.max_ckpts_to_keep=0", "trainer.max_ckpts_to_keep", "expected -1 or an int >= 1"),
         ("generator.inference_engine.port=70000", "generator.inference_engine.port", "<= 65535"),
         ("trainer.policy.optimizer_config.lr=inf", "trainer.policy.optimizer_config.lr", "expected a finite number > 0.0, got inf"),
-        ("trainer.algorithm.dynamic_sampling.type=drop", "trainer.algorithm.dynamic_sampling.type", "expected one of ['filter', 'replace']"),
+        ("trainer.algorithm.dynamic_sampling.type=drop", "trainer.algorithm.dynamic_sampling.type", "expected one of ['filter', 'filter_flat_steps', 'replace']"),
     ],
 )  # fmt: skip
 def test_declared_rules_fail_at_validation_naming_the_key(

@@ -251,3 +251,49 @@ def test_entropy_loss_without_the_workers_entropy_fails_loudly(tmp_path: Path) -
     trainer.worker = check_stand_in(TableWorker(old, old))
     with pytest.raises(ValueError, match="use_entropy_loss, got None"):
         trainer.train(_batch(generator), step=1)
+
+
+@pytest.mark.parametrize(("target", "coef"), [(None, 0.1), (0.5, 0.1), (4.0, 0.4), (50.0, 1.0)])
+def test_entropy_target_raises_the_bonus_of_a_step_below_it(
+    tmp_path: Path, target: float | None, coef: float
+) -> None:
+    """The stand-in's entropy is 1 nat on every token: a target above it multiplies the
+    coefficient by target / 1 (at most ENTROPY_BOOST_CAP = 10), one below it or none
+    leaves it alone; the gradient is the loss's with that coefficient."""
+    cfg = load_config(
+        [
+            f"trainer.run_dir={tmp_path}",
+            f"trainer.train_batch_size={PROMPTS}",
+            f"trainer.policy_mini_batch_size={PROMPTS}",
+            f"generator.n_samples_per_prompt={N_SAMPLES}",
+            "trainer.algorithm.entropy_loss_coef=0.1",
+            f"trainer.algorithm.entropy_target={'null' if target is None else target}",
+            "trainer.ref.log_kl=false",
+        ]
+    )
+    generator = torch.Generator().manual_seed(11)
+    old = -torch.rand(ROWS, WIDTH, generator=generator) * 3
+    current = old + torch.randn(ROWS, WIDTH, generator=generator) * 0.3
+    trainer = PolicyTrainer(cfg, checkpoint=str(tmp_path), pad_token_id=0)
+    worker = RegularizedWorker(current, old)
+    trainer.worker = check_stand_in(worker)
+    batch = _batch(generator)
+
+    metrics = trainer.train(batch, step=1)
+
+    assert metrics["policy/entropy"] == 1.0
+    assert metrics["policy/entropy_coef"] == pytest.approx(coef)
+    mask, response = batch.loss_mask, batch.response_mask
+    table = current.clone().requires_grad_()
+    logprobs = table * response
+    algo = cfg.trainer.algorithm
+    policy = ppo_policy_loss(
+        logprobs,
+        old * response,
+        batch.advantages,  # type: ignore[arg-type]
+        mask,
+        eps_clip_low=algo.eps_clip_low,
+        eps_clip_high=algo.eps_clip_high,
+    ).loss
+    (policy - coef * token_mean_entropy(-logprobs, mask)).backward()
+    assert torch.allclose(worker.grads[0], table.grad, atol=1e-6)
