@@ -191,11 +191,28 @@ def pool_workers(*, cap: int, reserved: int, cores: int | None = None) -> int:
 
 def cpu_model() -> str:
     """The CPU's model name, for benchmark reports: the project's machines differ
-    (Intel Xeon copies fresh memory at ~3.5 GB/s, AMD EPYC at ~11 GB/s)."""
+    (Intel Xeon copies fresh memory at ~3.5 GB/s, AMD EPYC at ~11 GB/s). The CPU family
+    and model numbers follow the name: two machines that both report "AMD EPYC" ran the
+    same default run to different curves (docs/experiments.md), so the name alone does
+    not say which machine a figure came from."""
     try:
+        fields: dict[str, str] = {}
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
+            key, _, value = line.partition(":")
+            fields.setdefault(key.strip(), value.strip())
+            if not line.strip():  # the first processor's block is enough
+                break
+        if "model name" in fields:
+            return cpu_description(fields)
     except OSError:
         pass
     return platform.processor() or "unknown"
+
+
+def cpu_description(fields: dict[str, str]) -> str:
+    """``model name`` from one /proc/cpuinfo block, then ``(family F, model M)`` when
+    the block has them."""
+    name = fields["model name"]
+    if "cpu family" in fields and "model" in fields:
+        return f"{name} (family {fields['cpu family']}, model {fields['model']})"
+    return name

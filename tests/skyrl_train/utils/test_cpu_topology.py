@@ -12,6 +12,7 @@ from skyrl_train.utils.cpu_topology import (
     affinity_cores,
     cgroup_v1_quota_cores,
     cgroup_v2_quota_cores,
+    cpu_description,
     permitted_cpu_cores,
     pool_workers,
 )
@@ -175,3 +176,10 @@ def test_pool_workers_defaults_to_permitted_cores() -> None:
 def test_pool_workers_rejects_bad_arguments(kwargs: dict, error: type, match: str) -> None:
     with pytest.raises(error, match=match):
         pool_workers(**kwargs)
+
+
+def test_cpu_description_names_family_and_model_after_the_name() -> None:
+    # Two "AMD EPYC" machines ran the default to different curves: the numbers say which.
+    block = {"model name": "AMD EPYC", "cpu family": "23", "model": "49"}
+    assert cpu_description(block) == "AMD EPYC (family 23, model 49)"
+    assert cpu_description({"model name": "Intel Xeon"}) == "Intel Xeon"
