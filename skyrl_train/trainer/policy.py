@@ -168,10 +168,13 @@ class PolicyTrainer:
         metrics = MetricSums()
         own_tokens = float(batch.loss_mask.sum())
         metrics.total("policy/num_tokens", own_tokens)
+        # (sum, tokens) of this rank's entropy; (0, 0) on a rank without logprobs.
+        entropy_sums = (0.0, 0.0)
         if as_trained.entropy is not None:
             # Over the policy's own tokens only (loss mask), not prompt or observations.
             entropy = mean_token_entropy(as_trained.entropy, batch.loss_mask)
-            metrics.mean("policy/entropy", entropy * own_tokens, own_tokens)
+            entropy_sums = (entropy * own_tokens, own_tokens)
+            metrics.mean("policy/entropy", *entropy_sums)
         if has_routes:
             native = as_trained
             if replay:
@@ -222,7 +225,7 @@ class PolicyTrainer:
             metrics.mean("policy/kl_to_ref", kl * own_tokens, own_tokens)
             if t.algorithm.use_kl_loss:
                 batch.ref_logprobs = ref_logprobs
-        entropy_coef = self._entropy_coef(as_trained.entropy, batch.loss_mask)
+        entropy_coef = self._entropy_coef(*entropy_sums)
         if t.algorithm.use_entropy_loss:
             metrics.mean("policy/entropy_coef", entropy_coef, 1.0)
         metrics.merge(
@@ -242,18 +245,15 @@ class PolicyTrainer:
         metrics.total(ROWS_KEY, float(batch.batch_size))
         return metrics
 
-    def _entropy_coef(self, entropy: torch.Tensor | None, loss_mask: torch.Tensor) -> float:
+    def _entropy_coef(self, entropy_sum: float, tokens: float) -> float:
         """The step's bonus coefficient (``entropy_target``), from the whole step's token
-        mean entropy: every rank trains with the same one. Ranks without logprobs (not
-        the last pipeline stage) add nothing to the mean."""
+        mean entropy (this rank's ``entropy_sum`` over ``tokens``, summed over ranks):
+        every rank trains with the same one. Ranks without logprobs (not the last
+        pipeline stage) add (0, 0)."""
         algo = self.cfg.trainer.algorithm
         if algo.entropy_target is None:
             return algo.entropy_loss_coef
-        sums = torch.zeros(2, dtype=torch.float64, device=collective_device())
-        if entropy is not None:
-            mask = loss_mask.to(entropy.device).bool()
-            sums[0] = entropy.detach().double()[mask].sum()
-            sums[1] = float(mask.sum())
+        sums = torch.tensor([entropy_sum, tokens], dtype=torch.float64, device=collective_device())
         if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
             # Ranks holding the same rows (tensor/pipeline/context copies) add them
             # alike, so the ratio is still the data-parallel batch's mean.

@@ -152,6 +152,22 @@ def test_logged_loss_is_the_mini_batch_token_mean(
     assert metrics["policy/num_tokens"] == float(batch.loss_mask.sum())
 
 
+def _whole_batch_ppo_loss(
+    logprobs: torch.Tensor, old: torch.Tensor, batch: TrainingBatch, cfg: Any
+) -> torch.Tensor:
+    """The regular PPO loss of ``batch`` as one mini-batch, its old logprobs ``old`` on
+    the response positions: what the trainer's loss is on a one-mini-batch step."""
+    algo = cfg.trainer.algorithm
+    return ppo_policy_loss(
+        logprobs,
+        old * batch.response_mask,
+        batch.advantages,  # type: ignore[arg-type]
+        batch.loss_mask,
+        eps_clip_low=algo.eps_clip_low,
+        eps_clip_high=algo.eps_clip_high,
+    ).loss
+
+
 class RegularizedWorker(TableWorker):
     """``TableWorker`` with a reference (``swapped_weights`` swaps the logprob table the
     forward reads) and a per-token entropy handed to the loss, differentiable through
@@ -208,29 +224,14 @@ def test_kl_and_entropy_terms_join_the_token_mean_loss(tmp_path: Path) -> None:
     )
     table = current.clone().requires_grad_()
     logprobs = table * response
-    algo = cfg.trainer.algorithm
-    policy = ppo_policy_loss(
-        logprobs,
-        old * response,
-        batch.advantages,  # type: ignore[arg-type]
-        mask,
-        eps_clip_low=algo.eps_clip_low,
-        eps_clip_high=algo.eps_clip_high,
-    ).loss
+    policy = _whole_batch_ppo_loss(logprobs, old, batch, cfg)
     kl = kl_penalty(logprobs, ref * response, mask)
     entropy = token_mean_entropy(-logprobs, mask)
     (policy + 0.5 * kl - 0.1 * entropy).backward()
     assert torch.allclose(worker.grads[0], table.grad, atol=1e-6)
     # Each term moved the gradient: without them it would be the policy loss's alone.
     bare = current.clone().requires_grad_()
-    ppo_policy_loss(
-        bare * response,
-        old * response,
-        batch.advantages,  # type: ignore[arg-type]
-        mask,
-        eps_clip_low=algo.eps_clip_low,
-        eps_clip_high=algo.eps_clip_high,
-    ).loss.backward()
+    _whole_batch_ppo_loss(bare * response, old, batch, cfg).backward()
     assert not torch.allclose(worker.grads[0], bare.grad, atol=1e-4)
 
 
@@ -286,14 +287,6 @@ def test_entropy_target_raises_the_bonus_of_a_step_below_it(
     mask, response = batch.loss_mask, batch.response_mask
     table = current.clone().requires_grad_()
     logprobs = table * response
-    algo = cfg.trainer.algorithm
-    policy = ppo_policy_loss(
-        logprobs,
-        old * response,
-        batch.advantages,  # type: ignore[arg-type]
-        mask,
-        eps_clip_low=algo.eps_clip_low,
-        eps_clip_high=algo.eps_clip_high,
-    ).loss
+    policy = _whole_batch_ppo_loss(logprobs, old, batch, cfg)
     (policy - coef * token_mean_entropy(-logprobs, mask)).backward()
     assert torch.allclose(worker.grads[0], table.grad, atol=1e-6)
