@@ -11,6 +11,7 @@ from skyrl_train.algorithms.advantages import (
     compute_grpo_advantages,
     compute_reinforce_plus_plus_advantages,
     compute_rloo_advantages,
+    compute_turn_grpo_advantages,
     contiguous_groups,
 )
 from skyrl_train.algorithms.metrics import MetricSums
@@ -80,6 +81,7 @@ __all__ = [
     "compute_grpo_advantages",
     "compute_reinforce_plus_plus_advantages",
     "compute_rloo_advantages",
+    "compute_turn_grpo_advantages",
     "contiguous_groups",
     "data_parallel_mean_",
     "gspo_policy_loss",

@@ -7,6 +7,10 @@ its loss-active tokens:
 - ``rloo``: r minus the mean of the *other* samples of the group (leave-one-out);
 - ``reinforce++``: with gamma = 1 every token's return is r, whitened over all
   loss-active tokens of the batch (no groups needed).
+
+``turn_grpo`` (ours) takes the per-turn rewards instead (``token_rewards``: each turn's
+reward on its reply's last token) and scores each reply by its own turn, so a turn no
+sample of a group gets right is still a signal (``compute_turn_grpo_advantages``).
 """
 
 from __future__ import annotations
@@ -19,10 +23,13 @@ import torch
 
 from skyrl_train.algorithms._common import as_float_mask, check_tensor
 
-AdvantageEstimator = Literal["grpo", "rloo", "reinforce++"]
+AdvantageEstimator = Literal["grpo", "rloo", "reinforce++", "turn_grpo"]
 ADVANTAGE_ESTIMATORS: tuple[str, ...] = get_args(AdvantageEstimator)
-GROUPED_ESTIMATORS = ("grpo", "rloo")
+GROUPED_ESTIMATORS = ("grpo", "rloo", "turn_grpo")
 """Estimators whose baseline is the prompt's group, so they need >= 2 samples a prompt."""
+FLAT_GROUP_ZERO_ESTIMATORS = ("grpo", "rloo")
+"""Estimators that give a group of equal rewards zero advantage: a step of only such
+groups trains on nothing but the entropy bonus (``trainer.algorithm.skip_flat_steps``)."""
 
 
 @dataclass
@@ -142,20 +149,110 @@ def compute_reinforce_plus_plus_advantages(
     return scores.to(torch.float32)[:, None] * mask
 
 
-def compute_advantages(
-    estimator: str,
-    rewards: torch.Tensor,
+@torch.no_grad()
+def compute_turn_grpo_advantages(
+    token_rewards: torch.Tensor,
     loss_mask: torch.Tensor,
     group_ids: Sequence[Hashable] | torch.Tensor,
     *,
     norm_by_std: bool = True,
     eps: float = 1e-6,
 ) -> torch.Tensor:
+    """Per-turn GRPO: ``[B, R]`` float32.
+
+    A turn is a run of loss-active tokens; a reward at a position belongs to the last
+    turn begun at or before it. Each reply scores its reward-to-go (its turn's reward
+    and every later one) against the same turn of its group's other samples, as GRPO
+    does with whole trajectories. So a reply is not credited with another turn's luck,
+    and a turn every sample of the group got wrong (or right) while another turn
+    varied no longer rides on that one's score.
+
+    A (group, turn) cell whose samples all have the same reward-to-go is scored against
+    that turn over the whole batch instead (mean, and std with ``norm_by_std``): a
+    letter no sample of a group ever copies pushes the wrong replies down, where group
+    GRPO leaves it at 0 for good (a never-sampled answer never enters a group). A turn
+    equal over the whole batch scores 0 (nothing found yet, or all learned).
+    """
+    mask = as_float_mask(loss_mask, "loss_mask", shape=loss_mask.shape, ref_name="loss_mask")
+    token_rewards = check_tensor(token_rewards, "token_rewards", ndim=2)
+    if token_rewards.shape != mask.shape:
+        raise ValueError(
+            f"token_rewards: expected shape {tuple(mask.shape)} (loss_mask's), "
+            f"got {tuple(token_rewards.shape)}"
+        )
+    bad = (~torch.isfinite(token_rewards)).nonzero()
+    if bad.numel():
+        i, j = (int(x) for x in bad[0])
+        raise ValueError(
+            f"token_rewards[{i}, {j}]: expected a finite reward, got {float(token_rewards[i, j])}"
+        )
+    _, _, group, num_groups = _check_inputs(token_rewards.sum(dim=1), loss_mask, group_ids)
+    if not eps >= 0.0:
+        raise ValueError(f"eps: expected >= 0, got {eps}")
+    batch = mask.shape[0]
+    starts = mask * (1.0 - torch.nn.functional.pad(mask[:, :-1], (1, 0)))
+    turn = (starts.cumsum(dim=1) - 1).clamp(min=0).long()  # [B, R]
+    turns = int(turn.max()) + 1 if mask.numel() else 1
+    per_turn = torch.zeros(batch, turns, dtype=torch.float64)
+    per_turn.scatter_add_(1, turn, token_rewards.to(torch.float64))
+    to_go = per_turn.flip(1).cumsum(1).flip(1)  # [B, T] reward-to-go
+    has = (starts.sum(dim=1)[:, None] > torch.arange(turns)[None, :]).flatten()  # [B*T]
+    values = to_go.flatten()[has]
+    t_index = torch.arange(turns).repeat(batch)[has]
+    cell = (group[:, None] * turns + torch.arange(turns)[None, :]).flatten()[has]
+    centred = torch.zeros_like(values)
+    spread = torch.zeros_like(values)
+    # Group cells first; a flat one falls back to its turn over the batch.
+    for keys, size in ((t_index, turns), (cell, num_groups * turns)):
+        mean, std, flat = _key_stats(values, keys, size)
+        use = ~flat[keys]
+        centred = torch.where(use, values - mean[keys], centred)
+        spread = torch.where(use, std[keys], spread)
+    if norm_by_std:
+        denom = spread + eps  # 0 only where centred is 0 too (eps == 0)
+        scores = centred / torch.where(denom > 0, denom, torch.ones_like(denom))
+    else:
+        scores = centred
+    out = torch.zeros(batch * turns, dtype=torch.float64)
+    out[has] = scores
+    return (out.view(batch, turns).gather(1, turn) * mask).to(torch.float32)
+
+
+def _key_stats(
+    values: torch.Tensor, keys: torch.Tensor, size: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per key: mean, unbiased std (0 for one value) and whether all values are equal."""
+    counts = torch.bincount(keys, minlength=size).to(torch.float64)
+    mean = torch.zeros(size, dtype=torch.float64).index_add_(0, keys, values) / counts.clamp(min=1)
+    sq = torch.zeros(size, dtype=torch.float64).index_add_(0, keys, (values - mean[keys]) ** 2)
+    std = (sq / (counts - 1).clamp(min=1.0)).sqrt()
+    return mean, std, flat_groups(values, keys, size)
+
+
+def compute_advantages(
+    estimator: str,
+    rewards: torch.Tensor,
+    loss_mask: torch.Tensor,
+    group_ids: Sequence[Hashable] | torch.Tensor,
+    *,
+    token_rewards: torch.Tensor | None = None,
+    norm_by_std: bool = True,
+    eps: float = 1e-6,
+) -> torch.Tensor:
     """``[B, R]`` advantages by ``estimator`` (one of ``ADVANTAGE_ESTIMATORS``).
 
-    ``norm_by_std`` applies to ``grpo`` only; ``eps`` to ``grpo`` and ``reinforce++``;
-    ``reinforce++`` ignores ``group_ids``.
+    ``norm_by_std`` applies to ``grpo`` and ``turn_grpo``; ``eps`` to all but ``rloo``;
+    ``reinforce++`` ignores ``group_ids``; ``turn_grpo`` reads ``token_rewards``
+    (``[B, R]``, summing to ``rewards``) and needs them.
     """
+    if estimator == "turn_grpo":
+        if token_rewards is None:
+            raise ValueError(
+                "token_rewards: expected [B, R] per-turn rewards for turn_grpo, got None"
+            )
+        return compute_turn_grpo_advantages(
+            token_rewards, loss_mask, group_ids, norm_by_std=norm_by_std, eps=eps
+        )
     if estimator == "grpo":
         return compute_grpo_advantages(
             rewards, loss_mask, group_ids, norm_by_std=norm_by_std, eps=eps

@@ -30,7 +30,7 @@ from collections.abc import Sequence
 import torch
 
 from skyrl_train.algorithms.advantages import (
-    GROUPED_ESTIMATORS,
+    FLAT_GROUP_ZERO_ESTIMATORS,
     contiguous_groups,
     flat_groups,
     group_index,
@@ -68,7 +68,7 @@ def loss_rows(
     erode with no reward to say so. A batch that scored the same everywhere (typically
     nothing found yet) still trains: there the bonus is the exploration the run needs.
     """
-    if group_size < 2 or estimator not in GROUPED_ESTIMATORS:
+    if group_size < 2 or estimator not in FLAT_GROUP_ZERO_ESTIMATORS:
         return None
     if zero_variance_filter:
         varying = varying_groups(rewards, group_size)

@@ -204,7 +204,7 @@ class GymGenerator:
             traj.length_finishes += result.finish_reason == "length"
             traj.versions.append(_turn_versions(result))
             step = env.step(self.tokenizer.decode(generated, skip_special_tokens=True))
-            traj.reward += float(step.reward)
+            traj.score_turn(float(step.reward))
             if "solved" in step.metadata:
                 traj.solved = bool(traj.solved) or bool(step.metadata["solved"])
             if step.done:
@@ -295,13 +295,6 @@ class GymGenerator:
         return ids.astype(np.int32, copy=False)
 
     def _output(self, trajs: list[Trajectory], *, wall_s: float) -> GeneratorOutput:
-        token_rewards = []
-        for t in trajs:
-            row = [0.0] * len(t.response_ids)
-            active = [j for j, m in enumerate(t.loss_mask) if m]
-            if active:
-                row[active[-1]] = t.reward
-            token_rewards.append(row)
         with_logprobs = all(t.logprobs is not None for t in trajs)
         routes = [t.routes for t in trajs] if self.return_routed_experts else None
         spans = [_version_span(t.versions) for t in trajs]
@@ -310,7 +303,7 @@ class GymGenerator:
             response_ids=[t.response_ids for t in trajs],
             loss_masks=[t.loss_mask for t in trajs],
             rewards=[t.reward for t in trajs],
-            token_rewards=token_rewards,
+            token_rewards=[t.token_rewards() for t in trajs],
             stop_reasons=[t.stop_reason for t in trajs],
             rollout_metrics=_metrics(trajs, wall_s=wall_s),
             rollout_logprobs=[t.logprobs for t in trajs] if with_logprobs else None,  # type: ignore[misc]

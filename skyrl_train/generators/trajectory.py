@@ -29,6 +29,8 @@ class Trajectory:
     loss_mask: list[int] = field(default_factory=list)
     logprobs: list[float] | None = field(default_factory=list)
     reward: float = 0.0
+    turn_rewards: dict[int, float] = field(default_factory=dict)
+    """Each turn's environment reward at its reply's last token (a response position)."""
     turns: int = 0
     stop_reason: str = STOP_MAX_TURNS
     length_finishes: int = 0
@@ -69,6 +71,21 @@ class Trajectory:
                 self.logprobs = None  # the engine sent none: the whole output has none
             else:
                 self.logprobs.extend(logprobs)
+
+    def score_turn(self, reward: float) -> None:
+        """Add the reward of the reply just appended: to the total, and at its last token,
+        so a per-turn estimator can credit each reply with its own turn's outcome."""
+        self.reward += reward
+        at = len(self.response_ids) - 1
+        self.turn_rewards[at] = self.turn_rewards.get(at, 0.0) + reward
+
+    def token_rewards(self) -> list[float]:
+        """``[R]``: each turn's reward on its reply's last token, 0 elsewhere; they sum
+        to ``reward``."""
+        row = [0.0] * len(self.response_ids)
+        for at, reward in self.turn_rewards.items():
+            row[at] += reward
+        return row
 
     def truncate(self, budget: int) -> None:
         """Cut ids, mask and logprobs to ``budget``; routes are cut in ``finalize``."""

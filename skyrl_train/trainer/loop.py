@@ -297,6 +297,7 @@ class GRPOLoop:
             batch.rewards,
             batch.loss_mask,
             contiguous_groups(batch.batch_size, n),
+            token_rewards=batch.token_rewards,
             norm_by_std=algo.norm_adv_by_std_in_grpo,
             eps=algo.advantage_eps,
         )

@@ -117,10 +117,10 @@ def check_consistent(out: GeneratorOutput, n: int) -> None:
         masks = np.array(out.loss_masks[i])
         logprobs = np.array(out.rollout_logprobs[i])
         assert (logprobs[masks == 0] == 0.0).all() and (logprobs[masks == 1] < 0).all()
-        active = np.flatnonzero(masks)
+        # Rewards sit only on a reply's last token (each turn's own reward there).
+        ends = {j for j in np.flatnonzero(masks) if j + 1 == r or masks[j + 1] == 0}
+        assert all(v == 0.0 for j, v in enumerate(out.token_rewards[i]) if j not in ends)
         assert sum(out.token_rewards[i]) == pytest.approx(out.rewards[i])
-        if out.rewards[i]:
-            assert out.token_rewards[i][active[-1]] == out.rewards[i]
 
 
 def run(coro: Any) -> Any:
@@ -358,6 +358,41 @@ def test_token_budget_truncates_ids_masks_logprobs_and_routes_together(tokenizer
         assert out.rollout_metrics["generate/stop_budget"] == 1.0
 
     run(main())
+
+
+class TurnPaysEnv(skyrl_gym.Env):
+    """Turn t pays 10**t, so each turn's reward is told apart in the output."""
+
+    name = "gen_test_turn_pays"
+    max_turns = 3
+
+    def _step(self, action: str, turn: int) -> skyrl_gym.StepOutput:
+        return skyrl_gym.StepOutput([{"role": "user", "content": "ok"}], 10.0**turn, False)
+
+
+def test_each_turns_reward_sits_on_that_turns_last_reply_token(tokenizer):
+    async def main() -> None:
+        async with serving() as client:
+            cfg = config(return_routed_experts=False, max_tokens_per_turn=2)
+            gen = generator(client, tokenizer, cfg, stop_token_ids=())
+            prompt = [{"role": "user", "content": "go"}]
+            out = await gen.generate(
+                GeneratorInput([prompt] * 2, ["gen_test_turn_pays"] * 2, [{}, {}])
+            )
+        check_consistent(out, 2)
+        for i in range(2):
+            masks = out.loss_masks[i]
+            ends = [
+                j for j, m in enumerate(masks) if m and (j + 1 == len(masks) or not masks[j + 1])
+            ]
+            assert [out.token_rewards[i][j] for j in ends] == [1.0, 10.0, 100.0]
+            assert out.rewards[i] == 111.0
+
+    skyrl_gym.register("gen_test_turn_pays", TurnPaysEnv)
+    try:
+        run(main())
+    finally:
+        skyrl_gym.unregister("gen_test_turn_pays")
 
 
 def test_several_clients_round_robin_and_seeds_are_reproducible(tokenizer):

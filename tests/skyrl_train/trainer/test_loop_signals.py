@@ -148,7 +148,7 @@ class _LineCollector(logging.Handler):
             self.lines.append(record.getMessage())
 
 
-@pytest.mark.parametrize("estimator", ["grpo", "rloo", "reinforce++"])
+@pytest.mark.parametrize("estimator", ["grpo", "rloo", "reinforce++", "turn_grpo"])
 def test_signals_are_logged_and_finite(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, estimator: str
 ) -> None:
@@ -170,9 +170,9 @@ def test_signals_are_logged_and_finite(
         else:
             assert all(f" {labels[key]}=" in line for line in lines)
     # The flat group gets no advantage under GRPO and RLOO; REINFORCE++ whitens over
-    # the batch, so it does.
+    # the batch and per-turn GRPO scores a flat group's turns over the batch, so they do.
     flat = worker.advantages[0][2:]
-    assert (flat.abs().sum().item() == 0.0) == (estimator != "reinforce++")
+    assert (flat.abs().sum().item() == 0.0) == (estimator in ("grpo", "rloo"))
     assert worker.advantages[0][:, 1].abs().sum().item() == 0.0  # the observation token
 
 
@@ -205,7 +205,12 @@ class RoundGenerator(SolvedGenerator):
         if not self.extra:
             return out
         rewards = [0.9, 0.1] * (len(inputs.prompts) // 2)
-        return dataclasses.replace(out, rewards=rewards, solved=[False] * len(rewards))
+        return dataclasses.replace(
+            out,
+            rewards=rewards,
+            token_rewards=[[0.0, 0.0, r] for r in rewards],
+            solved=[False] * len(rewards),
+        )
 
 
 def test_filter_trains_on_resampled_groups_and_logs_the_first_round(
@@ -322,7 +327,12 @@ class LearnedFlatGenerator(RoundGenerator):
         if self.evaluation or not (seed == 1 or (self.extra and self.stuck)):
             return out
         rewards = [1.0, 1.0, 0.0, 0.0]
-        return dataclasses.replace(out, rewards=rewards, solved=[r == 1.0 for r in rewards])
+        return dataclasses.replace(
+            out,
+            rewards=rewards,
+            token_rewards=[[0.0, 0.0, r] for r in rewards],
+            solved=[r == 1.0 for r in rewards],
+        )
 
 
 def test_filter_flat_steps_samples_more_only_on_a_step_the_guard_would_skip(
@@ -369,3 +379,20 @@ def test_filter_flat_steps_keeps_the_guard_when_every_round_is_flat(
     assert rows[0]["dynamic_sampling/rounds"] == 3.0
     assert rows[0]["dynamic_sampling/varying_group_frac"] == 0.0
     assert rows[0]["train/skipped_optimizer_steps"] == 1.0
+
+
+def test_turn_grpo_trains_a_learned_flat_step_right_replies_up_and_wrong_ones_down(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The step the guard skips under GRPO (every group flat, prompts paying 1 and 0)
+    is a signal under per-turn GRPO: each flat group's turns are scored against the
+    batch, so the group that is always right is pushed up and the other down."""
+    monkeypatch.setattr(loop_module, "GymGenerator", LearnedFlatGenerator)
+    monkeypatch.setattr(RoundGenerator, "rounds", [])
+    rows, _, worker = _run(tmp_path, "turn_grpo")
+    assert RoundGenerator.rounds == [0, 0]  # no extra round: the step has its signal
+    assert rows[0]["advantage/zero_variance_group_frac"] == 1.0
+    assert rows[0]["train/skipped_optimizer_steps"] == 0.0
+    step1 = worker.advantages[0]
+    assert (step1[:2, [0, 2]] > 0).all() and (step1[2:, [0, 2]] < 0).all()
+    assert step1[:, 1].abs().sum().item() == 0.0  # the observation token
