@@ -457,6 +457,7 @@ def test_env_kwargs_the_environment_does_not_take_are_refused_before_launch() ->
     assert preset.trainer.micro_train_batch_size_per_gpu == 64
     assert preset.trainer.algorithm.norm_adv_by_std_in_grpo is False
     assert preset.trainer.algorithm.entropy_loss_coef == 0.01
+    assert preset.trainer.algorithm.advantage_estimator == "grpo"
 
 
 def test_algorithm_choices() -> None:
@@ -485,7 +486,7 @@ def test_algorithm_choices() -> None:
     ("name", "value", "allowed"),
     [
         ("policy_loss_type", "dapo", "['regular', 'gspo']"),
-        ("advantage_estimator", "gae", "['grpo', 'rloo', 'reinforce++']"),
+        ("advantage_estimator", "gae", "['grpo', 'rloo', 'reinforce++', 'turn_grpo']"),
     ],
 )
 def test_unknown_algorithm_names_are_refused_naming_the_key(

@@ -74,6 +74,7 @@ def _trainer(
             "trainer.micro_train_batch_size_per_gpu=4",
             f"generator.n_samples_per_prompt={SAMPLES}",
             "trainer.ref.log_kl=false",
+            "trainer.algorithm.advantage_estimator=grpo",  # the guard is GRPO's and RLOO's
             "trainer.algorithm.use_entropy_loss=true",
             "trainer.algorithm.entropy_loss_coef=0.05",
             *overrides,
