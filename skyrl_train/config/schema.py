@@ -294,7 +294,7 @@ class FSDPConfig:
 
 @dataclass
 class OptimizerConfig:
-    lr: float = setting(1e-3, gt=0.0)
+    lr: float = setting(1.5e-3, gt=0.0)
     adam_betas: list[float] = setting(
         default_factory=lambda: [0.9, 0.999], ge=0.0, lt=1.0, length=2
     )
@@ -403,11 +403,12 @@ class AlgorithmConfig:
     ``generator.sampling_params.temperature``, so tokens are scored under the
     distribution they were sampled from. Another value is refused unless an off-policy
     correction weighs the difference (``off_policy_correction.tis_ratio_type``)."""
-    advantage_estimator: str = setting("grpo", choices=ADVANTAGE_ESTIMATORS)
+    advantage_estimator: str = setting("turn_grpo", choices=ADVANTAGE_ESTIMATORS)
     """"grpo": group-normalised; "rloo": leave-one-out group baseline; "reinforce++":
-    returns whitened over the batch's tokens (``algorithms.advantages``)."""
+    returns whitened over the batch's tokens; "turn_grpo": per-turn GRPO, a turn flat
+    in its group scored against that turn over the batch (``algorithms.advantages``)."""
     norm_adv_by_std_in_grpo: bool = True
-    """Divide GRPO's centred rewards by the group std (grpo only)."""
+    """Divide GRPO's centred rewards by the group std (grpo and turn_grpo)."""
     advantage_eps: float = setting(1e-6, ge=0.0)
     policy_loss_type: str = setting("regular", choices=POLICY_LOSS_TYPES)
     """"regular": token-level PPO-clip; "gspo": one ratio per sequence (GSPO). GSPO's
@@ -429,7 +430,7 @@ class AlgorithmConfig:
     use_entropy_loss: bool = True
     """Subtracts ``entropy_loss_coef`` x the token-mean entropy of the policy from the
     loss: a bonus that slows the collapse onto one answer."""
-    entropy_loss_coef: float = setting(0.05, ge=0.0)
+    entropy_loss_coef: float = setting(0.1, ge=0.0)
     entropy_target: float | None = setting(None, gt=0.0)
     """Nats per token. Set: a step whose policy entropy (the old-logprob forward's, over
     the policy's own tokens) is below this trains with the bonus coefficient raised to

@@ -458,6 +458,7 @@ def test_env_kwargs_the_environment_does_not_take_are_refused_before_launch() ->
     assert preset.trainer.algorithm.norm_adv_by_std_in_grpo is False
     assert preset.trainer.algorithm.entropy_loss_coef == 0.01
     assert preset.trainer.algorithm.advantage_estimator == "grpo"
+    assert preset.trainer.policy.optimizer_config.lr == 0.001
 
 
 def test_algorithm_choices() -> None:
