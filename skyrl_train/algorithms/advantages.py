@@ -73,22 +73,9 @@ def compute_grpo_advantages(
     r, mask, group, num_groups = _check_inputs(rewards, loss_mask, group_ids)
     if not eps >= 0.0:
         raise ValueError(f"eps: expected >= 0, got {eps}")
-    counts = torch.bincount(group, minlength=num_groups).to(torch.float64)
-    mean = torch.zeros(num_groups, dtype=torch.float64).index_add_(0, group, r) / counts
-    centred = r - mean[group]
-    # The mean of equal rewards is not always exactly that reward (3 x 0.1 / 3 is off
-    # by 2e-17), and that residue divided by a std of the same size would score +-0.8.
-    flat = flat_groups(r, group, num_groups)
-    centred = torch.where(flat[group], torch.zeros_like(centred), centred)
-    sq = torch.zeros(num_groups, dtype=torch.float64).index_add_(0, group, centred**2)
-    std = (sq / (counts - 1).clamp(min=1.0)).sqrt()[group]
-    if norm_by_std:
-        # Flat groups have centred == 0 and std == 0; with eps == 0 that would be 0/0.
-        denom = std + eps
-        scores = centred / torch.where(denom > 0, denom, torch.ones_like(denom))
-    else:
-        scores = centred
-    scores = scores.to(torch.float32)
+    mean, centred, std, _ = _key_stats(r, group, num_groups)
+    std = std[group]
+    scores = (_divide_by_std(centred, std, eps) if norm_by_std else centred).to(torch.float32)
     return GRPOAdvantages(
         advantages=scores[:, None] * mask,
         scores=scores,
@@ -204,15 +191,11 @@ def compute_turn_grpo_advantages(
     spread = torch.zeros_like(values)
     # Group cells first; a flat one falls back to its turn over the batch.
     for keys, size in ((t_index, turns), (cell, num_groups * turns)):
-        mean, std, flat = _key_stats(values, keys, size)
+        _, key_centred, std, flat = _key_stats(values, keys, size)
         use = ~flat[keys]
-        centred = torch.where(use, values - mean[keys], centred)
+        centred = torch.where(use, key_centred, centred)
         spread = torch.where(use, std[keys], spread)
-    if norm_by_std:
-        denom = spread + eps  # 0 only where centred is 0 too (eps == 0)
-        scores = centred / torch.where(denom > 0, denom, torch.ones_like(denom))
-    else:
-        scores = centred
+    scores = _divide_by_std(centred, spread, eps) if norm_by_std else centred
     out = torch.zeros(batch * turns, dtype=torch.float64)
     out[has] = scores
     return (out.view(batch, turns).gather(1, turn) * mask).to(torch.float32)
@@ -220,13 +203,27 @@ def compute_turn_grpo_advantages(
 
 def _key_stats(
     values: torch.Tensor, keys: torch.Tensor, size: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per key: mean, unbiased std (0 for one value) and whether all values are equal."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The group statistics GRPO and per-turn GRPO score with: per value, its distance
+    from its key's mean (exactly 0 where the key's values are all equal); per key,
+    the mean, the unbiased std (0 for one value or equal values) and whether its
+    values are all equal. ``values`` float64, ``keys`` dense indices below ``size``."""
     counts = torch.bincount(keys, minlength=size).to(torch.float64)
     mean = torch.zeros(size, dtype=torch.float64).index_add_(0, keys, values) / counts.clamp(min=1)
-    sq = torch.zeros(size, dtype=torch.float64).index_add_(0, keys, (values - mean[keys]) ** 2)
+    # The mean of equal rewards is not always exactly that reward (3 x 0.1 / 3 is off
+    # by 2e-17), and that residue divided by a std of the same size would score +-0.8.
+    flat = flat_groups(values, keys, size)
+    centred = torch.where(flat[keys], torch.zeros_like(values), values - mean[keys])
+    sq = torch.zeros(size, dtype=torch.float64).index_add_(0, keys, centred**2)
     std = (sq / (counts - 1).clamp(min=1.0)).sqrt()
-    return mean, std, flat_groups(values, keys, size)
+    return mean, centred, std, flat
+
+
+def _divide_by_std(centred: torch.Tensor, std: torch.Tensor, eps: float) -> torch.Tensor:
+    """``centred / (std + eps)``; where that denominator is 0 (a flat group, eps 0)
+    centred is 0 too, and stays 0 instead of 0/0."""
+    denom = std + eps
+    return centred / torch.where(denom > 0, denom, torch.ones_like(denom))
 
 
 def compute_advantages(
