@@ -507,10 +507,11 @@ class TrainerConfig:
     num_steps: int = setting(150, ge=1)
     train_batch_size: int = setting(8, ge=1)
     """Prompts per training step (trajectories = this x n_samples_per_prompt)."""
-    policy_mini_batch_size: int = setting(4, ge=1)
+    policy_mini_batch_size: int = setting(1, ge=1)
     """Prompts per optimizer step."""
     micro_train_batch_size_per_gpu: int = setting(32, ge=1)
-    """Trajectories per forward/backward on one trainer rank."""
+    """Trajectories per forward/backward on one trainer rank, at most: a per-rank
+    mini-batch no larger than this is one microbatch; a larger one must divide by it."""
     micro_forward_batch_size_per_gpu: int = setting(64, ge=1)
     """Trajectories per logprob-only forward on one trainer rank."""
     update_epochs_per_batch: int = setting(1, ge=1)

@@ -264,9 +264,14 @@ def _check_batch_sizes(cfg: PPOConfig) -> None:
             got=str(tr.policy_mini_batch_size),
         )
     per_rank = mini // dp
-    if per_rank % tr.micro_train_batch_size_per_gpu:
+    # A micro-batch above the per-rank mini-batch is that whole mini-batch: one
+    # microbatch, as split_microbatches cuts it. Below it, equal microbatches only.
+    if (
+        per_rank > tr.micro_train_batch_size_per_gpu
+        and per_rank % tr.micro_train_batch_size_per_gpu
+    ):
         raise ConfigValidationError(
             "trainer.micro_train_batch_size_per_gpu",
-            expected=f"a divisor of the per-rank mini-batch ({per_rank} trajectories)",
+            expected=f"a divisor of the per-rank mini-batch ({per_rank} trajectories), or at least it",
             got=str(tr.micro_train_batch_size_per_gpu),
         )

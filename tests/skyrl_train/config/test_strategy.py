@@ -18,6 +18,7 @@ from skyrl_train.trainer.policy_group import run_config_record
 MC = "trainer.policy.megatron_config"
 FSDP = "trainer.policy.fsdp_config"
 ON_FSDP = ["trainer.strategy=fsdp"]
+MICRO = "trainer.micro_train_batch_size_per_gpu"
 TWO_RANKS = ["trainer.placement.num_trainers=2", "trainer.micro_train_batch_size_per_gpu=16"]
 
 
@@ -83,14 +84,18 @@ def test_the_data_parallel_size_is_the_backends() -> None:
 
 
 def test_fsdp_batch_sizes_divide_over_every_rank() -> None:
+    four = [*ON_FSDP, "trainer.policy_mini_batch_size=4"]
     # 4 prompts x 8 samples per optimizer step do not split over 3 FSDP ranks.
-    err = _refusal([*ON_FSDP, "trainer.placement.num_trainers=3"])
+    err = _refusal([*four, "trainer.placement.num_trainers=3"])
     assert err.path == "trainer.policy_mini_batch_size"
     assert "divisible by the data-parallel size (3)" in err.reason
-    # Over 4 ranks each takes 8 trajectories, which a 32-row micro-batch cannot split.
-    err = _refusal([*ON_FSDP, "trainer.placement.num_trainers=4"])
-    assert err.path == "trainer.micro_train_batch_size_per_gpu"
+    # Over 4 ranks each takes 8 trajectories, which 3-row micro-batches cannot split.
+    err = _refusal([*four, "trainer.placement.num_trainers=4", f"{MICRO}=3"])
+    assert err.path == MICRO
     assert "per-rank mini-batch (8 trajectories)" in err.reason
+    # A micro-batch at or above a rank's mini-batch takes it whole: one microbatch.
+    for micro in (8, 32):
+        validate_cfg(load_config([*four, "trainer.placement.num_trainers=4", f"{MICRO}={micro}"]))
 
 
 @pytest.mark.parametrize("placement", ["PACK", "SPREAD", "STRICT_PACK"])

@@ -354,8 +354,8 @@ def test_transformer_kwargs_cannot_override_owned_keys(name: str, where: str) ->
     ("overrides", "key", "fragment"),
     [
         (["trainer.policy_mini_batch_size=3"], "trainer.policy_mini_batch_size", "divisor of trainer.train_batch_size"),
-        (["trainer.micro_train_batch_size_per_gpu=5"], "trainer.micro_train_batch_size_per_gpu", "per-rank mini-batch (32"),
-        (["trainer.placement.num_trainers=2", "trainer.micro_train_batch_size_per_gpu=32"], "trainer.micro_train_batch_size_per_gpu", "(16 trajectories)"),
+        (["trainer.micro_train_batch_size_per_gpu=5"], "trainer.micro_train_batch_size_per_gpu", "per-rank mini-batch (8"),
+        (["trainer.placement.num_trainers=2", "trainer.policy_mini_batch_size=4", "trainer.micro_train_batch_size_per_gpu=3"], "trainer.micro_train_batch_size_per_gpu", "(16 trajectories)"),
         (["trainer.placement.num_trainers=3", "trainer.policy_mini_batch_size=2", "trainer.train_batch_size=2"], "trainer.policy_mini_batch_size", "data-parallel size (3)"),
         ([f"{POLICY}.tensor_model_parallel_size=2"], "trainer.placement.num_trainers", "= 2), got 1"),
         ([f"{POLICY}.expert_model_parallel_size=2"], f"{POLICY}.expert_model_parallel_size", "divide trainer.placement.num_trainers"),

@@ -48,6 +48,8 @@ def test_eight_steps_log_finite_learning_signals(tmp_path: Path) -> None:
             "ray.num_cpus=2",
         ]
     )
+    updates = cfg.trainer.train_batch_size // cfg.trainer.policy_mini_batch_size
+    assert updates == 8  # the default recipe's (docs/experiments.md)
     run(cfg)
     rows = read_metrics(run_dir / "metrics.jsonl")
     assert [row["step"] for row in rows] == list(range(1, 9))
@@ -56,9 +58,9 @@ def test_eight_steps_log_finite_learning_signals(tmp_path: Path) -> None:
             assert row.get(key) is not None and math.isfinite(row[key]), (row["step"], key)
         assert 1.0 <= row["dynamic_sampling/rounds"] <= 2.0
         assert 0.0 <= row["advantage/zero_variance_group_frac"] <= 1.0
-        # Two mini-batches a step: each either steps the optimizer or, on a step whose
-        # groups are all flat (skip_flat_steps), is skipped.
-        assert row["train/optimizer_steps"] + row["train/skipped_optimizer_steps"] == 2.0
+        # One update per mini-batch (eight a step by default): each either steps the
+        # optimizer or, on a step whose groups are all flat (skip_flat_steps), is skipped.
+        assert row["train/optimizer_steps"] + row["train/skipped_optimizer_steps"] == updates
     # Before the first update the policy is its reference: the KL is exactly zero;
     # after eight updates it is not.
     assert rows[0]["policy/kl_to_ref"] == 0.0
