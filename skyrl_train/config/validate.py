@@ -272,6 +272,7 @@ def _check_batch_sizes(cfg: PPOConfig) -> None:
     ):
         raise ConfigValidationError(
             "trainer.micro_train_batch_size_per_gpu",
-            expected=f"a divisor of the per-rank mini-batch ({per_rank} trajectories), or at least it",
+            expected=f"a divisor of the per-rank mini-batch ({per_rank} trajectories), or "
+            f"{per_rank} or more (the whole of it as one microbatch)",
             got=str(tr.micro_train_batch_size_per_gpu),
         )
