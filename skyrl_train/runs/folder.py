@@ -23,8 +23,11 @@ are ``runs.claim``'s):
   applies to the checkpoints that launch saved.
 - ``trainer.resume_from=latest`` resolves once, at launch, to the newest checkpoint
   under ``<run_dir>/checkpoints`` that verifies in full, naming each damaged one above
-  it in a warning. With none, a folder without run artefacts starts fresh (a job
-  resubmitted before it ever ran) and any other is refused.
+  it in a warning. With none (and no damaged one), the run the folder's ``run.json``
+  records continues from where it began: a run that began fresh starts again from step
+  0 (a job killed before its first save and resubmitted), a branch resumes its branch
+  point, and a folder without run artefacts starts fresh (a job resubmitted before it
+  ever ran). Any other folder is refused: no command could tell which run it holds.
 """
 
 from __future__ import annotations
@@ -36,9 +39,11 @@ import stat
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from skyrl_train.errors import ConfigValidationError
+from skyrl_train.errors import CheckpointError, ConfigValidationError
 from skyrl_train.runs.checkpoint import (
     RESUME_KEY,
+    STEP_DIR,
+    Checkpoint,
     check_resumable,
     list_checkpoints,
     newest_checkpoint,
@@ -124,8 +129,7 @@ def check_run_dir(trainer: TrainerConfig) -> None:
             raise ConfigValidationError(
                 "trainer.run_dir",
                 expected="a folder no other run has written to (pick a new "
-                "trainer.run_dir, or continue that run with trainer.resume_from=latest or "
-                "one of its checkpoints)",
+                f"trainer.run_dir{_ways_to_continue(run_dir)})",
                 got=f"{str(run_dir)!r}, which holds {_describe(run_dir, found)}",
             )
         return
@@ -138,8 +142,7 @@ def check_run_dir(trainer: TrainerConfig) -> None:
             raise ConfigValidationError(
                 "trainer.run_dir",
                 expected=f"a fresh folder for a run branched from {str(checkpoint)!r} "
-                "(pick a new trainer.run_dir, or continue the run that folder holds with "
-                "trainer.resume_from=latest)",
+                f"(pick a new trainer.run_dir{_ways_to_continue(run_dir)})",
                 got=f"{str(run_dir)!r}, which holds {_describe(run_dir, found)}",
             )
     check_later_checkpoints(trainer, checkpoint, suggest_latest=True)
@@ -159,17 +162,8 @@ def resolve_resume(cfg: PPOConfig) -> PPOConfig:
     for folder, exc in skipped:
         logger.warning("trainer.resume_from=latest: skipping %s: %s", folder, exc)
     if found is None:
-        artefacts = run_artefacts(run_dir)
-        if artefacts:
-            why = "; ".join(f"{folder.name}: {exc}" for folder, exc in skipped)
-            raise ConfigValidationError(
-                RESUME_KEY,
-                expected=f"a checkpoint under {str(root)!r} whose files verify",
-                got=f"{'none that does (' + why + ')' if skipped else 'none'}, in a folder "
-                f"another launch wrote ({_describe(run_dir, artefacts)}); pick a new "
-                "trainer.run_dir or a trainer.resume_from checkpoint",
-            )
-        logger.info("trainer.resume_from=latest: no checkpoint under %s, starting fresh", root)
+        found = _without_checkpoint(run_dir, skipped)
+    if found is None:
         resolved = None
     else:
         check_resumable(found, strategy=tr.strategy, num_trainers=tr.placement.num_trainers)
@@ -183,9 +177,16 @@ def resolve_resume(cfg: PPOConfig) -> PPOConfig:
     return cfg
 
 
-def started_from(run_dir: str | Path) -> Path | None:
-    """The other folder's checkpoint ``run_dir``'s run branched from (its ``run.json``);
-    None when it started fresh, has no readable marker, or its marker is not ours."""
+@dataclasses.dataclass(frozen=True)
+class RunRecord:
+    """A run folder's ``run.json``, written by the launch that first accepted it."""
+
+    started_from: Path | None
+    """The other folder's checkpoint the run branched from; None: it began fresh."""
+
+
+def run_record(run_dir: str | Path) -> RunRecord | None:
+    """``run_dir``'s ``run.json``; None when it is absent, unreadable or not ours."""
     try:
         record = json.loads((Path(run_dir) / MARKER_FILE).read_bytes())
     except (OSError, ValueError):
@@ -193,7 +194,100 @@ def started_from(run_dir: str | Path) -> Path | None:
     if not isinstance(record, dict) or record.get("format") != MARKER_FORMAT:
         return None
     value = record.get("started_from")
-    return Path(value) if isinstance(value, str) else None
+    if value is not None and not isinstance(value, str):
+        return None
+    return RunRecord(started_from=Path(value) if value else None)
+
+
+def started_from(run_dir: str | Path) -> Path | None:
+    """The other folder's checkpoint ``run_dir``'s run branched from (its ``run.json``);
+    None when it started fresh, has no readable marker, or its marker is not ours."""
+    record = run_record(run_dir)
+    return record.started_from if record is not None else None
+
+
+def _without_checkpoint(
+    run_dir: Path, skipped: list[tuple[Path, CheckpointError]]
+) -> Checkpoint | None:
+    """What ``latest`` resumes where ``<run_dir>/checkpoints`` holds no checkpoint that
+    verifies (``skipped``: the damaged ones): nothing, a fresh start, where no run wrote
+    or where the folder's run began fresh and never saved; the branch point of a branch
+    that never saved. Refuses any other folder."""
+    root = run_dir / CHECKPOINTS_DIR
+    artefacts = run_artefacts(run_dir)
+    if not artefacts:
+        logger.info("trainer.resume_from=latest: no checkpoint under %s, starting fresh", root)
+        return None
+    # A damaged checkpoint means the run got past its start: restarting it would
+    # replace steps it may have saved, so the user decides (the refusal names each).
+    record = run_record(run_dir) if not skipped else None
+    if record is None:
+        why = "; ".join(f"{folder.name}: {exc}" for folder, exc in skipped)
+        unknown = "" if skipped else f" without a {MARKER_FILE} saying how its run began"
+        raise ConfigValidationError(
+            RESUME_KEY,
+            expected=f"a checkpoint under {str(root)!r} whose files verify",
+            got=f"{'none that does (' + why + ')' if skipped else 'none'}, in a folder "
+            f"another launch wrote{unknown} ({_describe(run_dir, artefacts)}); pick a new "
+            "trainer.run_dir",
+        )
+    if record.started_from is None:
+        # As a resume re-takes the steps after its checkpoint: the tracker drops the
+        # killed launch's metrics lines after step 0, its exports are replaced as the
+        # steps come again.
+        logger.warning(
+            "trainer.resume_from=latest: the run in %s began fresh and saved no "
+            "checkpoint: starting it again from step 0 (%s)",
+            run_dir,
+            _describe(run_dir, artefacts),
+        )
+        return None
+    try:
+        found = verify_checkpoint(record.started_from)
+    except CheckpointError as exc:
+        raise ConfigValidationError(
+            RESUME_KEY,
+            expected=f"a checkpoint under {str(root)!r}, or the branch point "
+            f"{MARKER_FILE} names, whose files verify",
+            got=f"none under it, and the branch point: {exc}",
+        ) from exc
+    logger.info(
+        "trainer.resume_from=latest: the branch in %s saved no checkpoint: resuming its "
+        "branch point %s",
+        run_dir,
+        found.folder,
+    )
+    return found
+
+
+def _ways_to_continue(run_dir: Path) -> str:
+    """The launches that would continue the run in ``run_dir``, as a refusal's
+    suggestion (``, or ...``), or "" where none would: a refusal names only what
+    works. Checkpoints count by size (``list_checkpoints``): hashing a run's every
+    checkpoint only to word a refusal would cost minutes; ``latest`` hashes the one it
+    picks and names each it skips."""
+    root = run_dir / CHECKPOINTS_DIR
+    if list_checkpoints(root):
+        return ", or continue that run with trainer.resume_from=latest or one of its checkpoints"
+    record = run_record(run_dir)
+    damaged = root.is_dir() and any(
+        STEP_DIR.fullmatch(path.name) and path.is_dir() for path in root.iterdir()
+    )
+    if record is None or damaged:
+        return ""
+    if record.started_from is None:
+        return (
+            ", or start that run again from step 0 with trainer.resume_from=latest (it "
+            "saved no checkpoint)"
+        )
+    try:
+        verify_checkpoint(record.started_from, hash_files=False)
+    except CheckpointError:
+        return ""
+    return (
+        ", or resume that run from its branch point "
+        f"{str(record.started_from)!r} with trainer.resume_from=latest (it saved no checkpoint)"
+    )
 
 
 def _check_export_path(trainer: TrainerConfig) -> None:

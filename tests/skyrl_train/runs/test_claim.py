@@ -20,10 +20,18 @@ from skyrl_train.config.validate import validate_cfg
 from skyrl_train.errors import ConfigValidationError
 from skyrl_train.runs.checkpoint import DRIVER_FILE, begin_save, commit_save
 from skyrl_train.runs.claim import LOCK_FILE, hold_run_dir
-from skyrl_train.runs.export import FORMAT, MARKER_FILE, list_exports
+from skyrl_train.runs.export import (
+    FORMAT,
+    MARKER_FILE,
+    begin_export,
+    commit_export,
+    list_exports,
+    read_marker,
+)
 from skyrl_train.runs.folder import check_run_dir_path, resolve_resume
 from skyrl_train.utils.durable import write_file
 from skyrl_train.utils.tracking import MetricsTracker, read_metrics
+from tests.folder_snapshot import snapshot
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -287,3 +295,78 @@ def test_a_branch_killed_before_its_first_save_resumes_its_branch_point(tmp_path
     MetricsTracker(tmp_path, start_step=2).close()
     rewards = [(r["step"], r["reward"]) for r in read_metrics(tmp_path / "metrics.jsonl")]
     assert rewards == [(1, 1.0), (2, 2.0)]
+
+
+def _script_export(run_dir: Path, step: int) -> Path:
+    """An export of ``step`` as ``scripts/export_hf.py --out <run_dir>/exports/...``
+    writes it: ``PolicyGroup.export_hf`` with the script's arguments (``key="--out"``,
+    no ``run_dir``), so its marker names no run."""
+    source = run_dir.parent / "model"
+    source.mkdir(exist_ok=True)
+    (source / "config.json").write_text('{"model_type": "qwen2_moe"}\n')
+    (source / "generation_config.json").write_text('{"eos_token_id": 2}\n')
+    final = run_dir / "exports" / f"global_step_{step}"
+    temp = begin_export(final, key="--out")
+    write_file(temp / "model.safetensors", b"weights the user exported by hand")
+    commit_export(temp, final, source=source, step=step, key="--out")
+    return final
+
+
+def test_a_branch_deletes_only_the_exports_and_checkpoints_its_run_wrote(
+    tmp_path: Path,
+) -> None:
+    # A change that deleted every later export passed the whole suite (issue 49): here
+    # the user's own export of step 4 (scripts/export_hf.py), another run's export of
+    # step 6, a model folder and notes they keep beside the run's, all above the
+    # branch point, must come through the branch whole.
+    run_dir = tmp_path / "run"
+    saved = _old_run(run_dir)
+    by_script = _script_export(run_dir, 4)
+    assert read_marker(by_script) is not None and read_marker(by_script)["run_dir"] is None
+    by_other_run = _export(tmp_path / "other", 6)
+    os.rename(by_other_run, run_dir / "exports" / "global_step_6")
+    (run_dir / "exports" / "global_step_7").mkdir()
+    (run_dir / "exports" / "global_step_7" / "model.safetensors").write_bytes(b"the user's")
+    (run_dir / "exports" / "notes.txt").write_text("step 4 looked best\n")
+    (run_dir / "checkpoints" / "step_000009").mkdir()  # no manifest: not a checkpoint
+    (run_dir / "checkpoints" / "step_000009" / "policy_rank0.pt").write_bytes(b"copied in")
+    (run_dir / "notes.txt").write_text("run notes\n")
+    foreign = {
+        name: snapshot(run_dir / name)
+        for name in (
+            "exports/global_step_4",
+            "exports/global_step_6",
+            "exports/global_step_7",
+            "checkpoints/step_000009",
+        )
+    }
+
+    cfg = load_config(
+        [
+            f"trainer.run_dir={run_dir}",
+            f"trainer.resume_from={saved[2]}",
+            "trainer.overwrite_later_checkpoints=true",
+        ]
+    )
+    validate_cfg(cfg)
+    with hold_run_dir(cfg) as claim:
+        claim.accept(resolve_resume(cfg))
+
+    assert claim.superseded is not None
+    assert [p.name for p in claim.superseded.exports] == ["global_step_5"]
+    assert [p.name for p in claim.superseded.checkpoints] == ["step_000004", "step_000006"]
+    assert sorted(p.name for p in (run_dir / "exports").iterdir()) == [
+        "global_step_2",
+        "global_step_4",
+        "global_step_6",
+        "global_step_7",
+        "notes.txt",
+    ]
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == [
+        "step_000002",
+        "step_000009",
+    ]
+    for name, before in foreign.items():
+        assert snapshot(run_dir / name) == before, name
+    assert (run_dir / "exports" / "notes.txt").read_text() == "step 4 looked best\n"
+    assert (run_dir / "notes.txt").read_text() == "run notes\n"

@@ -25,6 +25,7 @@ from skyrl_train.runs.folder import (
     started_from,
 )
 from skyrl_train.utils.durable import write_file
+from skyrl_train.utils.tracking import MetricsTracker, read_metrics
 from tests.folder_snapshot import snapshot
 
 
@@ -96,7 +97,17 @@ def test_any_one_run_artefact_refuses_a_fresh_launch_and_is_named(
     err = _refused(run_dir)
     assert err.path == "trainer.run_dir"
     assert f"holds {name} (" in err.reason
-    assert "new trainer.run_dir" in err.reason and "trainer.resume_from=latest" in err.reason
+    assert "new trainer.run_dir" in err.reason
+    assert snapshot(run_dir) == before
+    # It suggests latest only where latest is accepted (issue 49): a lone artefact with
+    # no run.json and no checkpoint says nothing of the run it came from.
+    latest = _cfg(run_dir, "trainer.resume_from=latest")
+    if "trainer.resume_from=latest" in err.reason:
+        resolve_resume(latest)
+    else:
+        with pytest.raises(ConfigValidationError, match=r"^trainer\.resume_from: .*new trainer"):
+            resolve_resume(latest)
+    assert ("one of its checkpoints" in err.reason) == name.startswith("checkpoints/step_000001")
     assert snapshot(run_dir) == before
 
 
@@ -204,6 +215,7 @@ def test_latest_without_any_checkpoint_starts_fresh_only_where_no_run_wrote(
         resolve_resume(_cfg(started, "trainer.resume_from=latest"))
     assert info.value.path == "trainer.resume_from"
     assert "got none," in info.value.reason and "main_base.log (the job log)" in info.value.reason
+    assert "resume_from checkpoint" not in info.value.reason  # it has none to offer
     assert (started / "main_base.log").read_text() == "preempted before the first save\n"
 
 
@@ -284,3 +296,100 @@ def test_claim_writes_the_marker_once_and_then_a_fresh_launch_is_refused(
     validate_cfg(resumed)
     claim_run_dir(resolve_resume(resumed))
     assert (run_dir / MARKER_FILE).read_bytes() == marker
+
+
+# ------------------------------------------------- a launch killed before its first save
+
+
+def _killed_before_its_first_save(run_dir: Path) -> None:
+    """What an accepted launch leaves when killed before step 3's save committed."""
+    (run_dir / "main_base.log").write_text("launched\n")
+    tracker = MetricsTracker(run_dir, start_step=0)
+    tracker.log(1, {"reward": 0.1})
+    tracker.log(2, {"reward": 0.2})
+    (run_dir / "checkpoints" / "step_000003.tmp-1a2b3c4d").mkdir(parents=True)
+
+
+def test_latest_starts_again_a_run_killed_before_its_first_save(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # One command for a job's first launch and each resubmission (issue 49): before,
+    # a plain relaunch was refused and told to use latest, and latest refused too.
+    run_dir = tmp_path / "run"
+    latest = _cfg(run_dir, "trainer.resume_from=latest")
+    validate_cfg(latest)
+    assert resolve_resume(latest).trainer.resume_from is None  # the first launch
+    claim_run_dir(_cfg(run_dir))
+    marker = (run_dir / MARKER_FILE).read_bytes()
+    _killed_before_its_first_save(run_dir)
+
+    err = _refused(run_dir)
+    assert err.path == "trainer.run_dir"
+    assert "start that run again from step 0 with trainer.resume_from=latest" in err.reason
+    assert "one of its checkpoints" not in err.reason  # it has none
+
+    validate_cfg(latest)
+    with caplog.at_level(logging.WARNING, logger="skyrl_train.runs.folder"):
+        with hold_run_dir(latest) as claim:
+            resolved = resolve_resume(latest)
+            claim.accept(resolved)
+    assert resolved.trainer.resume_from is None
+    assert "began fresh and saved no checkpoint: starting it again from step 0" in caplog.text
+    assert (run_dir / MARKER_FILE).read_bytes() == marker  # still the run that began here
+    # As a resume does after its checkpoint: the restarted run owns every step after
+    # its start, so the killed launch's lines go when its tracker opens.
+    MetricsTracker(run_dir, start_step=0).close()
+    assert read_metrics(run_dir / "metrics.jsonl") == []
+
+
+def test_latest_resumes_the_branch_point_of_a_branch_killed_before_its_first_save(
+    tmp_path: Path,
+) -> None:
+    origin = tmp_path / "a" / "checkpoints"
+    step2 = _save(origin, 2)
+    _save(origin, 4)
+    branch = tmp_path / "b"
+    claim_run_dir(resolve_resume(_cfg(branch, f"trainer.resume_from={step2}")))
+    (branch / "main_base.log").write_text("branched\n")
+    MetricsTracker(branch, start_step=2).log(3, {"reward": 0.3})
+
+    err = _refused(branch)
+    assert f"resume that run from its branch point {str(step2.resolve())!r}" in err.reason
+    assert "trainer.resume_from=latest" in err.reason
+    latest = _cfg(branch, "trainer.resume_from=latest")
+    with hold_run_dir(latest) as claim:
+        resolved = resolve_resume(latest)
+        claim.accept(resolved)
+    assert resolved.trainer.resume_from == str(step2.resolve())  # not the origin's step 4
+    assert claim.superseded is not None and claim.superseded.checkpoints == []
+    assert started_from(branch) == step2.resolve()
+
+    # The origin pruned the branch point: nothing can continue the branch, and neither
+    # refusal suggests latest. The folder is left as it was.
+    (step2 / DRIVER_FILE).write_bytes(b"")
+    before = snapshot(branch)
+    with pytest.raises(ConfigValidationError) as info:
+        resolve_resume(latest)
+    assert info.value.path == "trainer.resume_from"
+    assert "or the branch point run.json names" in info.value.reason
+    assert "driver.json: expected" in info.value.reason
+    assert "resume_from=latest" not in _refused(branch).reason
+    assert snapshot(branch) == before
+
+
+def test_latest_leaves_a_run_whose_only_checkpoints_are_damaged_to_the_user(
+    tmp_path: Path,
+) -> None:
+    # Past its start, a run is not restarted from step 0 over a checkpoint that may be
+    # repairable: latest refuses naming it, and the plain launch's refusal offers no
+    # command that would be refused too.
+    run_dir = tmp_path / "run"
+    claim_run_dir(_cfg(run_dir))
+    (_save(run_dir / "checkpoints", 2) / MANIFEST_FILE).write_bytes(b"{")
+    before = snapshot(run_dir)
+    with pytest.raises(ConfigValidationError) as info:
+        resolve_resume(_cfg(run_dir, "trainer.resume_from=latest"))
+    assert info.value.path == "trainer.resume_from"
+    assert "step_000002: " in info.value.reason
+    assert "resume_from=latest" not in _refused(run_dir).reason
+    assert snapshot(run_dir) == before
