@@ -29,8 +29,10 @@ reads ``path: expected X, got Y``.
 
 from __future__ import annotations
 
+import io
 import os
 import re
+import time
 from pathlib import Path
 from typing import Any
 
@@ -165,17 +167,53 @@ _ERROR_LEVEL = re.compile(r"\bERROR\b")
 _EXCEPTION_LINE = re.compile(r"\b[A-Za-z_][\w.]*(Error|Exception)(: |$)")
 
 
+LAUNCH_MARKER = "==== skyrl engine launch"
+"""How each engine start's first log line begins (:func:`mark_launch`). A launch appends
+to the log the engine wrote before (a resubmitted run keeps its folder), so the first
+error of a log would otherwise be an earlier launch's."""
+
+
+def mark_launch(path: str | Path) -> None:
+    """Append the line that opens one engine start's part of the log at ``path``; call
+    it where a start opens its log, before the engine writes anything."""
+    file = Path(path)
+    file.parent.mkdir(parents=True, exist_ok=True)
+    stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    with file.open("a", encoding="utf-8") as log:
+        log.write(f"{LAUNCH_MARKER} {stamp} pid {os.getpid()} ====\n")
+
+
+def _last_launch_offset(file: Path) -> int:
+    """The byte offset of the log's last :data:`LAUNCH_MARKER` line (0 without one),
+    found in C-speed chunk scans: a long run's log can hold millions of lines."""
+    needle = ("\n" + LAUNCH_MARKER).encode()
+    found, read, carry = 0, 0, b"\n"  # the carried newline: a marker on the first line
+    with file.open("rb") as log:
+        while chunk := log.read(1 << 20):
+            data = carry + chunk
+            hit = data.rfind(needle)
+            if hit >= 0:
+                found = read - len(carry) + hit + 1
+            carry = data[-(len(needle) - 1) :]
+            read += len(chunk)
+    return found
+
+
 def read_first_error(path: str | Path, *, max_lines: int = 40) -> str:
-    """A log's first error: from its first ERROR-level line to the exception line that
-    ends that traceback (the exception line always kept, the lines between capped at
-    ``max_lines``); "" when the log has none. Where an engine died, that is the cause:
-    vLLM follows it with a traceback per failed request, hundreds of lines that push
-    it out of any tail (a seeded split-prompt crash logged 9,500 lines)."""
+    """The first error of the log's last launch (from its last :data:`LAUNCH_MARKER`
+    line on; the whole log when it has none): from the first ERROR-level line to the
+    exception line that ends that traceback (the exception line always kept, the lines
+    between capped at ``max_lines``); "" when that part has none. Where an engine died,
+    that is the cause: vLLM follows it with a traceback per failed request, hundreds of
+    lines that push it out of any tail (a seeded split-prompt crash logged 9,500 lines)."""
     file = Path(path)
     if not file.is_file():
         return ""
+    offset = _last_launch_offset(file)
     block: list[str] = []
-    with file.open(encoding="utf-8", errors="replace") as log:
+    with file.open("rb") as binary:
+        binary.seek(offset)
+        log = io.TextIOWrapper(binary, encoding="utf-8", errors="replace")
         for raw in log:
             line = raw.rstrip("\n")
             if not block:
@@ -194,9 +232,9 @@ def read_first_error(path: str | Path, *, max_lines: int = 40) -> str:
 
 
 def log_excerpt(path: str | Path, n: int = 40) -> str:
-    """What a report of a stopped engine quotes from its log: the first error (when
-    the last ``n`` lines do not already hold it), then the last ``n`` lines, each under
-    a heading naming the file."""
+    """What a report of a stopped engine quotes from its log: the first error of its
+    last launch (when the last ``n`` lines do not already hold it), then the last ``n``
+    lines, each under a heading naming the file."""
     first, tail = read_first_error(path), read_log_tail(path, n)
     parts = []
     if first and first not in tail:

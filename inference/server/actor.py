@@ -7,16 +7,17 @@ aiohttp ≈ 0.3 s more.
 With ``log_file`` the server's own log (the ``inference`` loggers at INFO: its start,
 every failed request's traceback, its stop) goes to that file, which the actor never
 deletes: a launch keeps it under its run folder and quotes its tail when the engine
-stops mid-run (``skyrl_train.trainer.engines``).
+stops mid-run (``skyrl_train.trainer.engines``). Each start appends to it, after a
+``LAUNCH_MARKER`` line, so that report quotes this start's first error, not an earlier
+launch's (``inference.errors.read_first_error``).
 """
 
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 from typing import Any
 
-from inference.errors import log_excerpt, read_log_tail
+from inference.errors import log_excerpt, mark_launch, read_log_tail
 from inference.server.app import ServerConfig
 from inference.server.launch import EngineSpec
 from inference.server.runner import ServerThread
@@ -45,7 +46,7 @@ class InferenceServerActor:
     def _open_log(self) -> None:
         if self._log_file is None or self._log_handler is not None:
             return
-        Path(self._log_file).parent.mkdir(parents=True, exist_ok=True)
+        mark_launch(self._log_file)
         handler = logging.FileHandler(self._log_file, encoding="utf-8")
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
         package = logging.getLogger("inference")

@@ -33,7 +33,13 @@ import urllib.request
 import weakref
 from pathlib import Path
 
-from inference.errors import CheckpointFormatError, EngineStartError, log_excerpt, read_log_tail
+from inference.errors import (
+    CheckpointFormatError,
+    EngineStartError,
+    log_excerpt,
+    mark_launch,
+    read_log_tail,
+)
 from inference.vllm.spec import (
     API_KEY_ENV,
     INSTALL_SCRIPT,
@@ -194,7 +200,7 @@ class VLLMServerProcess:
         self._workdir = Path(tempfile.mkdtemp(prefix="skyrl-vllm-"))
         staged = stage_worker_modules(self._workdir / "pythonpath")
         self._log_path = Path(spec.log_file) if spec.log_file else self._workdir / "server.log"
-        self._log_path.parent.mkdir(parents=True, exist_ok=True)
+        mark_launch(self._log_path)  # a relaunch appends: its first error is after this
         env = {
             **os.environ,
             **spec.env,
