@@ -6,10 +6,11 @@ vLLM weight-transfer backend, behind one small interface (:class:`BucketSender`)
   (``transport.bucket_dir``, the only folder the worker extension reads), named in
   ``/update_weights``; the file is removed once the server answered, also on failure.
 - :class:`URLBucketSender` (the same backend, for a server on another host): the
-  trainer serves each bucket to exactly one pull, at an unguessable URL with a bearer
-  token of its own, and the server's worker pulls it; the URL is gone after that pull
-  or once the server answered. Its origin goes to the server in
-  ``/init_weight_transfer_engine``, and the worker extension pulls from nowhere else.
+  trainer serves each bucket to one pull per worker of the server, at an unguessable
+  URL with a bearer token of its own, and each worker pulls it; the URL is gone after
+  the last of those pulls or once the server answered. Its origin goes to the server in
+  ``/init_weight_transfer_engine``, where each worker announces itself to it (the
+  count), and the worker extension pulls from nowhere else.
 - :class:`NCCLBucketSender` (vLLM's ``nccl`` backend, the GPU path): the worker learns
   names, dtypes and shapes from ``/update_weights`` and receives the tensors by an NCCL
   broadcast from the trainer, which must run *while* that request is in flight (both
@@ -25,12 +26,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import re
 import secrets
 import tempfile
 from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from inference.vllm.transport import (
+    ANNOUNCE_PATH,
     file_update_info,
     is_wildcard_host,
     prepare_bucket_dir,
@@ -91,6 +95,9 @@ _SENDER_MAX_CONNECTIONS = 64
 """A server's workers pull one bucket at a time each; the rest is a flood."""
 _SENDER_READ_TIMEOUT_S = 30.0
 """A pull's request head and body must arrive within this (``connections``)."""
+_MAX_WORKERS = 4096
+"""Announced workers kept (each pulls every bucket; a real server has a handful)."""
+_WORKER_ID = re.compile(r"[0-9A-Za-z_-]{1,64}")
 
 
 class URLBucketSender:
@@ -100,14 +107,17 @@ class URLBucketSender:
     reaches it (loopback by default, which only a server on this host can use); a
     wildcard (``0.0.0.0``, ``::``) is refused, since it is no address to connect to.
     ``port`` 0 lets the OS pick one. ``connect`` names the sender's origin to the server
-    (``/init_weight_transfer_engine``); the worker extension pulls from no other. Each
-    bucket gets a fresh random path and bearer token and is served to the first pull
-    that carries the token, once, and never after the server answered its
-    ``/update_weights``. Any other request gets 404 (unknown or already pulled) or 401
+    (``/init_weight_transfer_engine``); the worker extension pulls from no other. During
+    that call each of the server's workers announces itself (``transport.ANNOUNCE_PATH``,
+    with the handshake's own bearer token), since every worker of a tensor-parallel
+    server pulls every bucket. Each bucket gets a fresh random path and bearer token and
+    is served to the first ``workers`` pulls that carry the token (one before any worker
+    announced), and never after the server answered its ``/update_weights``. Any other
+    pull gets 404 (unknown or already pulled as often as there are workers) or 401
     (wrong or malformed ``Authorization``, a head the parser refuses) and nothing else,
-    never a 500 (``inference.server.auth``, shared with the builtin server). One pull per
-    bucket means one worker per server: a tensor-parallel server, whose every worker
-    pulls, needs the file transport on its own host.
+    never a 500 (``inference.server.auth``, shared with the builtin server); an
+    announcement 204, 401 alike, or 400 for a worker id that is not 1-64 URL-safe
+    characters.
     """
 
     def __init__(self, host: str = "127.0.0.1", *, port: int = 0) -> None:
@@ -118,7 +128,9 @@ class URLBucketSender:
             )
         self.host = host
         self.port = port
-        self._buckets: dict[str, tuple[Any, bytes]] = {}
+        self._buckets: dict[str, _Bucket] = {}
+        self._announce_token: Any = None
+        self._workers: set[str] = set()
         self._runner: Any = None
         self._url_host = f"[{host}]" if ":" in host else host
 
@@ -127,10 +139,28 @@ class URLBucketSender:
         """``http://host:port`` of the running server."""
         return f"http://{self._url_host}:{self.port}"
 
+    @property
+    def workers(self) -> int:
+        """Pulls each bucket is served to: the workers announced so far, at least one."""
+        return max(1, len(self._workers))
+
     async def connect(self, post_init: PostJSON) -> None:
-        """Starts the HTTP server and names its origin to the vLLM server."""
+        """Starts the HTTP server and names its origin to the vLLM server, whose workers
+        each announce themselves while ``post_init`` runs; raises ``ValueError`` if none
+        did (a worker extension of another version: its workers' pull count unknown)."""
+        from inference.server.auth import BearerToken
+
         await self._start()
-        await post_init(url_init_info(self.origin))
+        key = secrets.token_urlsafe(32)
+        # A new handshake counts afresh: the server may have restarted with new workers.
+        self._announce_token, self._workers = BearerToken(key), set()
+        await post_init(url_init_info(self.origin, announce_key=key))
+        if not self._workers:
+            raise ValueError(
+                "init_info.announce_key: expected each worker of the vLLM server to announce "
+                f"itself at {self.origin}{ANNOUNCE_PATH} during /init_weight_transfer_engine, "
+                "got no announcement (is its worker extension this project's version?)"
+            )
 
     async def _start(self) -> None:
         from aiohttp import web
@@ -141,6 +171,7 @@ class URLBucketSender:
             return
         app = web.Application()
         app.router.add_get("/buckets/{name}", self._serve)
+        app.router.add_post(ANNOUNCE_PATH, self._announce)
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()
         try:
@@ -168,18 +199,35 @@ class URLBucketSender:
         entry = self._buckets.get(name)
         if entry is None:
             return web.Response(status=404)
-        token, body = entry
-        if not token.accepts(request.headers.get(hdrs.AUTHORIZATION)):
+        if not entry.token.accepts(request.headers.get(hdrs.AUTHORIZATION)):
             return web.Response(status=401)
-        del self._buckets[name]  # served once: no await between the lookup and here
-        return web.Response(body=body, content_type="application/octet-stream")
+        # No await between the lookup and here: two pulls cannot both take the last one.
+        entry.pulls_left -= 1
+        if entry.pulls_left <= 0:
+            del self._buckets[name]
+        return web.Response(body=entry.body, content_type="application/octet-stream")
+
+    async def _announce(self, request: Any) -> Any:
+        from aiohttp import hdrs, web
+
+        token = self._announce_token
+        if token is None or not token.accepts(request.headers.get(hdrs.AUTHORIZATION)):
+            return web.Response(status=401)
+        worker = request.match_info["worker"]
+        if not _WORKER_ID.fullmatch(worker) or (
+            worker not in self._workers and len(self._workers) >= _MAX_WORKERS
+        ):
+            return web.Response(status=400)
+        self._workers.add(worker)
+        return web.Response(status=204)
 
     async def send(self, bucket: Mapping[str, Any], post_update: PostJSON) -> None:
         from inference.server.auth import BearerToken
 
         await self._start()
         name, token = secrets.token_urlsafe(16), secrets.token_urlsafe(32)
-        self._buckets[name] = (BearerToken(token), await asyncio.to_thread(_serialize, bucket))
+        body = await asyncio.to_thread(_serialize, bucket)
+        self._buckets[name] = _Bucket(BearerToken(token), body, pulls_left=self.workers)
         try:
             url = f"{self.origin}/buckets/{name}"
             await post_update(url_update_info(url, api_key=token))
@@ -191,6 +239,14 @@ class URLBucketSender:
         if self._runner is not None:
             runner, self._runner = self._runner, None
             await runner.cleanup()
+
+
+@dataclass
+class _Bucket:
+    token: Any
+    """Its ``inference.server.auth.BearerToken``."""
+    body: bytes
+    pulls_left: int
 
 
 def _serialize(bucket: Mapping[str, Any]) -> bytes:

@@ -8,9 +8,10 @@ A push is vLLM's RL HTTP API driven with the ``BACKEND`` transport: the trainer 
 each bucket of engine-layout tensors as one safetensors file in the transport's own
 folder (``bucket_dir``, under ``/dev/shm`` where it exists) and names it in
 ``/update_weights``; a vLLM server on another host pulls the same bytes from a URL at
-the trainer's sender instead (``pull_bucket``). vLLM's own transports do nothing useful on CPU (``nccl``
-between CPU processes broadcasts nothing, without an error; ``ipc`` needs an
-accelerator).
+the trainer's sender instead (``pull_bucket``), each of its workers once, having
+announced itself to that sender at ``/init_weight_transfer_engine``
+(``announce_worker``). vLLM's own transports do nothing useful on CPU (``nccl`` between
+CPU processes broadcasts nothing, without an error; ``ipc`` needs an accelerator).
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ MOE_FIX_REPORT_RPC = "skyrl_moe_fix_report"
 ``{"moe_layers", "skipped_postprocess", "reruns", "fix_enabled"}`` per worker."""
 
 _UPDATE_KEYS = frozenset({"path", "url", "api_key"})
-_INIT_KEYS = frozenset({"bucket_origin"})
+_INIT_KEYS = frozenset({"bucket_origin", "announce_key"})
 
 
 def check_update_info(info: object) -> dict[str, str]:
@@ -224,26 +225,42 @@ def is_wildcard_host(host: str) -> bool:
     return address.is_unspecified
 
 
-def url_init_info(origin: str) -> dict[str, str]:
+def url_init_info(origin: str, *, announce_key: str | None = None) -> dict[str, str]:
     """``/init_weight_transfer_engine``'s ``init_info`` for a URL sender: the origin
-    (``http://host:port``) every later ``update_info.url`` of this trainer is at."""
-    return {"bucket_origin": url_origin(origin, key="init_info.bucket_origin")}
+    (``http://host:port``) every later ``update_info.url`` of this trainer is at, and the
+    bearer token each worker announces itself with (:func:`announce_worker`)."""
+    info = {"bucket_origin": url_origin(origin, key="init_info.bucket_origin")}
+    if announce_key is not None:
+        info["announce_key"] = announce_key
+    return info
 
 
 def check_init_info(info: object) -> dict[str, str]:
     """``init_info`` as both sides accept it: empty, or ``bucket_origin`` (an http(s)
-    origin, normalised by :func:`url_origin`). Raises ``ValueError`` naming the key."""
+    origin, normalised by :func:`url_origin`) with an optional ``announce_key`` (a
+    non-empty string). Raises ``ValueError`` naming the key."""
     if not isinstance(info, dict):
         raise ValueError(f"init_info: expected an object, got {type(info).__name__}")
     unknown = sorted(set(info) - _INIT_KEYS)
     if unknown:
         raise ValueError(f"init_info: expected keys among {sorted(_INIT_KEYS)}, got {unknown}")
-    origin = info.get("bucket_origin")
+    origin, key = info.get("bucket_origin"), info.get("announce_key")
     if origin is None:
+        if key is not None:
+            raise ValueError(
+                "init_info.announce_key: expected only with bucket_origin, got it alone"
+            )
         return {}
     if not isinstance(origin, str):
         raise ValueError(f"init_info.bucket_origin: expected a string, got {origin!r}")
-    return {"bucket_origin": url_origin(origin, key="init_info.bucket_origin")}
+    checked = {"bucket_origin": url_origin(origin, key="init_info.bucket_origin")}
+    if key is not None:
+        if not isinstance(key, str) or not key:
+            raise ValueError(  # never echo a key
+                f"init_info.announce_key: expected a non-empty string, got {type(key).__name__}"
+            )
+        checked["announce_key"] = key
+    return checked
 
 
 class _NoRedirects(urllib.request.HTTPRedirectHandler):
@@ -281,3 +298,33 @@ def pull_bucket(
         raise ValueError(f"update_info.url: expected a 200 reply, got HTTP {exc.code}") from None
     _check_size(len(body), max_bytes, "update_info.url")
     return body
+
+
+ANNOUNCE_PATH = "/workers/{worker}"
+"""Where each worker of a vLLM server announces itself to the trainer's URL sender,
+during ``/init_weight_transfer_engine``: every worker of a tensor-parallel server pulls
+every bucket, so the sender serves each bucket to as many pulls as workers announced."""
+
+
+def announce_worker(origin: str, *, api_key: str, worker: str, timeout_s: float) -> None:
+    """POST this worker's id (its own random one) to the sender at ``origin`` with the
+    ``init_info.announce_key`` bearer token. Raises ``ValueError`` naming the key unless
+    the sender answered 2xx; a worker that cannot announce could not pull either."""
+    url = origin + ANNOUNCE_PATH.format(worker=worker)
+    request = urllib.request.Request(
+        url, data=b"", method="POST", headers={"Authorization": f"Bearer {api_key}"}
+    )
+    opener = urllib.request.build_opener(_NoRedirects)
+    try:
+        with opener.open(request, timeout=timeout_s) as reply:
+            reply.read(1024)
+    except urllib.error.HTTPError as exc:
+        raise ValueError(
+            f"init_info.announce_key: expected the trainer's sender at {origin} to take this "
+            f"worker's announcement, got HTTP {exc.code}"
+        ) from None
+    except (urllib.error.URLError, OSError) as exc:
+        raise ValueError(
+            f"init_info.bucket_origin: expected the trainer's sender to answer at {origin}, "
+            f"got {exc}"
+        ) from None

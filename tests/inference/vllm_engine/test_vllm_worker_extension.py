@@ -2,18 +2,24 @@
 MoE guard, on stand-in MoE layers, re-runs the experts' post-load step only when vLLM
 skipped it (a vLLM without the bug must not get a second prepack); and its transport
 engine reads a bucket only from the transport's folder or the sender's announced
-origin, within the size cap, refusing anything else with the key named."""
+origin, within the size cap, refusing anything else with the key named; and each
+worker of a tensor-parallel server announces itself to the trainer's real sender and
+pulls every bucket."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
 
 from inference.vllm.process import stage_worker_modules
+from inference.vllm.senders import URLBucketSender
 
 pytestmark = pytest.mark.slow
 
@@ -161,7 +167,28 @@ engine.max_bucket_bytes = len(body)  # a cap between the two buckets' sizes
 result["big_file"] = attempt({"path": str(inside / "big.safetensors")})
 result["big_url"] = attempt({"url": origin + "/big"})
 result["sizes"] = [len(body), len(big)]
-print(json.dumps(result))
+print(json.dumps(result), flush=True)
+
+# Two workers of one tensor-parallel server against the test's real URLBucketSender:
+# each announces itself at the handshake, then each pulls the bucket.
+import sys
+workers = [we.FileWeightTransferEngine(None, config, torch.device("cpu"), Model())
+           for _ in range(2)]
+init = json.loads(sys.stdin.readline())
+for worker in workers:
+    worker.init_transfer_engine(worker.parse_init_info(init))
+print(json.dumps([worker.worker_id for worker in workers]), flush=True)
+update = json.loads(sys.stdin.readline())
+pulled = {}
+for i, worker in enumerate(workers):
+    worker.receive_weights(worker.parse_update_info(update))
+    pulled[f"worker {i}"] = worker.model.loaded[-1]
+try:
+    workers[0].receive_weights(workers[0].parse_update_info(update))
+    pulled["third"] = "served"
+except ValueError as exc:
+    pulled["third"] = str(exc)
+print(json.dumps(pulled), flush=True)
 """
 
 
@@ -170,16 +197,54 @@ def test_buckets_are_read_only_from_the_transport_folder_and_the_senders_origin(
 ) -> None:
     staged = stage_worker_modules(tmp_path / "pythonpath")
     env = {**os.environ, "PYTHONPATH": str(staged)}
-    done = subprocess.run(
-        [vllm_python, "-c", SOURCES],
-        env=env,
-        cwd=staged,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    result = json.loads(done.stdout.strip().splitlines()[-1])
+    stderr = tmp_path / "stderr.txt"
+    seen: dict[str, Any] = {}
+
+    async def main() -> None:
+        with stderr.open("wb") as errors:
+            proc = await asyncio.create_subprocess_exec(
+                vllm_python,
+                "-c",
+                SOURCES,
+                env=env,
+                cwd=staged,
+                stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=errors,
+            )
+        assert proc.stdin is not None and proc.stdout is not None
+        stdin, stdout = proc.stdin, proc.stdout
+
+        async def exchange(message: Any) -> Any:
+            if message is not None:
+                stdin.write(json.dumps(message).encode() + b"\n")
+                await stdin.drain()
+            line = await asyncio.wait_for(stdout.readline(), timeout=300)
+            assert line, stderr.read_text()[-3000:]
+            return json.loads(line)
+
+        sender = URLBucketSender("127.0.0.1")
+
+        async def post_init(info: dict[str, str]) -> None:
+            seen["announced"] = await exchange(info)
+
+        async def post_update(info: dict[str, str]) -> None:
+            seen["pulled"] = await exchange(info)
+
+        try:
+            seen["sources"] = await exchange(None)
+            await sender.connect(post_init)
+            seen["workers"] = sender.workers
+            await sender.send({"w": torch.ones(8)}, post_update)
+            assert await asyncio.wait_for(proc.wait(), timeout=60) == 0, stderr.read_text()
+        finally:
+            await sender.close()
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
+
+    asyncio.run(main())
+    result = seen["sources"]
     # Every parameter as F32 over both workers, plus the header allowance.
     assert result["cap"] == 4 * 8 * 2 + (64 << 20)
     assert result["file"] == ["w"] and result["url"] == ["w"]  # the good cases still load
@@ -198,3 +263,10 @@ def test_buckets_are_read_only_from_the_transport_folder_and_the_senders_origin(
         assert result[case].startswith(
             f"update_info.{key}: expected a bucket of at most {small} bytes"
         ) and result[case].endswith(f"got {big} bytes"), result[case]
+    # A tensor-parallel server's two workers: both announced, both pulled, no one more.
+    assert len(set(seen["announced"])) == 2 and seen["workers"] == 2
+    assert seen["pulled"] == {
+        "worker 0": ["w"],
+        "worker 1": ["w"],
+        "third": "update_info.url: expected a 200 reply, got HTTP 404",
+    }
