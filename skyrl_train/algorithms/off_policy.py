@@ -166,8 +166,8 @@ class OffPolicyStats:
     masked_sequences: float = 0.0
     """Rows with loss-active tokens dropped whole (sequence or outlier mask)."""
     token_band_tokens: float = 0.0
-    """Loss-active tokens of rows the outlier mask kept: the ones the token band
-    judges (SkyRL's denominator of its ``token_mask_ratio``)."""
+    """Loss-active tokens with a real rollout logprob in rows the outlier mask kept:
+    the ones the token band judges (placeholders have no ratio to judge)."""
     token_masked_tokens: float = 0.0
     """Of those, the ones whose ratio is outside the token band (0 with the band off)."""
     placeholder_tokens: float = 0.0
@@ -269,12 +269,13 @@ def off_policy_weights(
 
     outlier = _outside(ratio, c.outlier_token_is_threshold_low, c.outlier_token_is_threshold_high)
     keep = ~(real & outlier).any(dim=1)
-    # What the token band judges: the outlier mask has already dropped the other rows.
-    band_tokens = active & keep[:, None]
+    # What the token band judges: real ratios only (a placeholder is never dropped, so
+    # counting it would dilute token_mask_frac), in rows the outlier mask kept.
+    band_tokens = real & keep[:, None]
     token_dropped = torch.zeros_like(real)
     if c.token_mask_is_threshold_low is not None:
         band = _outside(ratio, c.token_mask_is_threshold_low, c.token_mask_is_threshold_high)
-        token_dropped = real & band_tokens & band
+        token_dropped = band_tokens & band
     evidence = real & ~token_dropped
     evidence_log = torch.where(evidence, log_ratio, torch.zeros_like(log_ratio))
     per_row = evidence.sum(dim=1)

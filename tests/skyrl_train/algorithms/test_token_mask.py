@@ -163,7 +163,7 @@ def test_hand_worked_token_tis_with_the_band(loss_type: str) -> None:
     metrics = out.off_policy.to_metrics()
     expected = {
         "num_tokens": 7.0,
-        "token_mask_frac": 2 / 7,
+        "token_mask_frac": 2 / 6,  # over the 6 real ratios the band judged
         "masked_token_frac": 2 / 7,
         "masked_seq_frac": 0.0,
         "placeholder_token_frac": 1 / 7,
@@ -238,6 +238,18 @@ def test_a_placeholder_never_masks_its_sequence_or_itself(band: str, tis: str) -
     assert got.stats.masked_sequences == 0 and got.stats.masked_tokens == 0
     metrics = got.stats.to_metrics()
     assert metrics["off_policy/token_mask_frac"] == 0.0
+
+
+def test_token_mask_frac_is_over_the_tokens_the_band_judges() -> None:
+    # Row [1, 4, P, P] under [0.5, 2]: the band judges the 2 real ratios and drops one;
+    # the placeholders it never judges stay out of the denominator (1/2, not 1/4).
+    got = _weights([[1.0, 4.0, P, P]], **BAND)
+    assert _kept(got) == [[1.0, 0.0, 1.0, 1.0]]
+    assert got.stats.token_band_tokens == 2 and got.stats.token_masked_tokens == 1
+    metrics = got.stats.to_metrics()
+    assert metrics["off_policy/token_mask_frac"] == pytest.approx(1 / 2)
+    assert metrics["off_policy/masked_token_frac"] == pytest.approx(1 / 4)
+    assert metrics["off_policy/placeholder_token_frac"] == pytest.approx(2 / 4)
 
 
 def test_a_real_ratio_outside_a_band_without_one_still_masks() -> None:
