@@ -14,9 +14,13 @@ into place; ``--out`` must be new, empty, or an earlier export (which it replace
 How: the checkpoint is verified against its manifest (a damaged one is refused naming
 the file), then the trainer ranks are started on a local Ray exactly as the run had them
 (its ``run_config.json``: world size, pipeline, virtual-pipeline, expert and tensor
-layout, the model folder), each loads its own rank file, and the weights stream out as
-in a weight sync: every pipeline stage, expert and tensor shard gathered, rank 0
-writing. ``--model`` names
+layout, replay mode, the model folder), each loads its own rank file, and the weights
+stream out as in a weight sync: every pipeline stage, expert and tensor shard gathered,
+rank 0 writing. A local Ray is one node, so the ranks are placed there with ``PACK``
+whatever the run's ``trainer.placement.strategy`` (the two-node recipe's
+``STRICT_SPREAD`` included); on ``--ray-address``'s cluster the run's strategy is kept,
+and a placement the cluster does not make within the run's
+``trainer.placement.timeout_s`` is refused naming the key. ``--model`` names
 the model folder when the run's (``model.path``) has moved; the built-in model's is
 rebuilt from its config if the cache was cleared.
 """
@@ -45,6 +49,8 @@ from skyrl_train.runs.checkpoint import (  # noqa: E402
 from skyrl_train.runs.export import DEFAULT_MAX_SHARD_BYTES, check_target  # noqa: E402
 
 KEY = "--checkpoint"
+LOCAL_STRATEGY = "PACK"
+"""The placement strategy of a run's ranks rebuilt on a local Ray (one node)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +63,8 @@ class Plan:
     model: Path
     pad_token_id: int
     out: Path
+    notes: tuple[str, ...] = ()
+    """What the export did differently from the run, printed when it starts."""
 
 
 def prepare(checkpoint: Path, out: Path, *, model: Path | None, ray_address: str | None) -> Plan:
@@ -75,11 +83,23 @@ def prepare(checkpoint: Path, out: Path, *, model: Path | None, ray_address: str
             got="no such file (a checkpoint saved before exports existed)",
         )
     try:
-        cfg = parse_config(json.loads(record_path.read_bytes()))
+        raw = json.loads(record_path.read_bytes())
+        cfg = parse_config(raw)
     except (ValueError, ConfigValidationError) as exc:
         raise CheckpointError(
             KEY, record_path, expected="the run's config sections", got=str(exc)
         ) from exc
+    notes: list[str] = []
+    if not _records_replay(raw):
+        # A record of the releases that dropped the replay mode: read back as on, the
+        # ranks refused a replay-off run's settings that are refused only under
+        # replay. The export runs no forward, so replay changes nothing it writes,
+        # and off builds whatever either mode trained with.
+        cfg.trainer.policy.routing_replay.enabled = False
+        notes.append(
+            f"{record_path} records no trainer.policy.routing_replay: building the "
+            "ranks with replay off (an export runs no forward; the weights are the same)"
+        )
     placement = cfg.trainer.placement
     if placement.num_trainers != found.world_size:
         raise CheckpointError(
@@ -101,10 +121,31 @@ def prepare(checkpoint: Path, out: Path, *, model: Path | None, ray_address: str
         ref=dataclasses.replace(cfg.trainer.ref, log_kl=False),
         algorithm=dataclasses.replace(cfg.trainer.algorithm, use_kl_loss=False),
     )
+    if ray_address is None and placement.strategy is not None:
+        # A local Ray is one node: the two-node recipe's STRICT_SPREAD could never be
+        # placed there and Ray would queue it forever; every strategy packs on one node.
+        notes.append(
+            f"trainer.placement.strategy {placement.strategy} placed as {LOCAL_STRATEGY} "
+            "on a local Ray (one node)"
+        )
+        placement = dataclasses.replace(placement, strategy=LOCAL_STRATEGY)
+        trainer = dataclasses.replace(trainer, placement=placement)
     cpus = max(1, math.ceil(placement.num_trainers * placement.cpus_per_trainer))
     ray = dataclasses.replace(cfg.ray, address=ray_address, num_cpus=cpus)
     cfg = dataclasses.replace(cfg, trainer=trainer, ray=ray)
-    return Plan(found, cfg, Path(folder), info.pad_token_id, out)
+    return Plan(found, cfg, Path(folder), info.pad_token_id, out, tuple(notes))
+
+
+def _records_replay(raw: Any) -> bool:
+    """Whether a run config names its replay mode: the ``routing_replay`` node, or
+    the deprecated Megatron alias that records of older releases carried set."""
+    trainer = raw.get("trainer") if isinstance(raw, dict) else None
+    policy = trainer.get("policy") if isinstance(trainer, dict) else None
+    if not isinstance(policy, dict):
+        return False
+    megatron = policy.get("megatron_config")
+    alias = megatron.get("moe_enable_routing_replay") if isinstance(megatron, dict) else None
+    return "routing_replay" in policy or alias is not None
 
 
 def export(plan: Plan, *, max_shard_bytes: int) -> Path:
@@ -120,6 +161,8 @@ def export(plan: Plan, *, max_shard_bytes: int) -> Path:
         print(f"[{time.perf_counter() - started:6.1f} s] {what}", flush=True)
 
     say(f"verified {found.folder} (step {found.step}, {len(found.files)} files)")
+    for note in plan.notes:
+        say(f"note: {note}")
     session = start_ray(address=cfg.ray.address, num_cpus=cfg.ray.num_cpus, runtime_env={})
     group = None
     try:
@@ -136,7 +179,7 @@ def export(plan: Plan, *, max_shard_bytes: int) -> Path:
             f"starting {placement.num_trainers} trainer rank(s): pipeline "
             f"{mc.pipeline_model_parallel_size} (virtual {mc.virtual_pipeline_model_parallel_size}), "
             f"experts {mc.expert_model_parallel_size}, tensor {mc.tensor_model_parallel_size}; "
-            f"model {plan.model}"
+            f"placement {placement.strategy}; model {plan.model}"
         )
         group = PolicyGroup.place(cfg, checkpoint=str(plan.model), pad_token_id=plan.pad_token_id)
         group.setup()

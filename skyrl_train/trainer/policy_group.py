@@ -80,6 +80,8 @@ class PolicyGroup:
                 [{"CPU": placement.cpus_per_trainer}] * placement.num_trainers,
                 strategy=placement.strategy,
                 key="trainer.placement.strategy",
+                timeout_s=placement.timeout_s,
+                timeout_key="trainer.placement.timeout_s",
             )
             bundles = rank_bundles(
                 ray.util.placement_group_table(group)["bundles_to_node_id"],
@@ -266,10 +268,17 @@ def rank_bundles(bundle_nodes: Mapping[int, str], *, first_node: str) -> list[in
 
 
 def run_config_record(cfg: PPOConfig) -> bytes:
-    """``RUN_CONFIG_FILE``'s bytes: the sections that build the policy ranks
-    (``model``, ``trainer.seed``, ``trainer.strategy``, ``trainer.placement`` and the
-    backend's node, ``trainer.policy.megatron_config`` or ``fsdp_config``), its paths
-    made absolute. Only these: ``ray.runtime_env`` may hold secrets."""
+    """``RUN_CONFIG_FILE``'s bytes: every setting that builds the policy ranks, so that
+    ``parse_config`` of them builds the ranks the run had (``scripts/export_hf.py``):
+    ``model``, ``trainer.seed``, ``trainer.strategy``, ``trainer.placement``,
+    ``trainer.weight_sync``, the policy's ``routing_replay`` and ``optimizer_config``
+    and the backend's node (``megatron_config`` or ``fsdp_config``), and the two keys of
+    the trainer's temperature (``trainer_temperature``); its paths made absolute. Only
+    these: ``ray.runtime_env`` may hold secrets.
+
+    The replay mode is recorded because the Megatron worker refuses some settings only
+    under replay: a record without it read back as replay on, and the export of a
+    replay-off run that used one was refused."""
     full = config_to_dict(cfg)
     node, _value = backend_node(cfg.trainer)
     model = full["model"]
@@ -277,13 +286,23 @@ def run_config_record(cfg: PPOConfig) -> bytes:
         if model.get(key):
             model[key] = str(Path(model[key]).resolve())
     trainer = full["trainer"]
+    policy = trainer["policy"]
+    sampling_temperature = full["generator"]["sampling_params"]["temperature"]
     record = {
         "model": model,
+        # trainer_temperature's two keys: the workers score at that temperature.
+        "generator": {"sampling_params": {"temperature": sampling_temperature}},
         "trainer": {
             "seed": trainer["seed"],
             "strategy": trainer["strategy"],
             "placement": trainer["placement"],
-            "policy": {node: trainer["policy"][node]},
+            "weight_sync": trainer["weight_sync"],
+            "algorithm": {"temperature": trainer["algorithm"]["temperature"]},
+            "policy": {
+                "optimizer_config": policy["optimizer_config"],
+                "routing_replay": policy["routing_replay"],
+                node: policy[node],
+            },
         },
     }
     return json.dumps(record, indent=1).encode() + b"\n"

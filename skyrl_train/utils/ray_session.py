@@ -24,6 +24,7 @@ import logging
 import os
 import socket
 import tempfile
+import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -135,30 +136,60 @@ _RESERVE_WARN_S = 60.0
 """How often a placement group that Ray has not placed yet is logged as waiting."""
 
 
-def reserve_bundles(bundles: list[dict[str, float]], *, strategy: str, key: str) -> Any:
+def reserve_bundles(
+    bundles: list[dict[str, float]],
+    *,
+    strategy: str,
+    key: str,
+    timeout_s: float,
+    timeout_key: str,
+) -> Any:
     """A Ray placement group of ``bundles`` placed by ``strategy`` (the config ``key``
     that asked for it), once Ray has placed it. Ray queues one that does not fit
     without a message; every minute of waiting logs the key and the alive nodes'
-    CPUs (a cluster may still autoscale, as ``require_cpus`` assumes)."""
-    import ray
-    from ray.util.placement_group import placement_group
+    CPUs (a cluster may still autoscale, as ``require_cpus`` assumes). Not placed
+    within ``timeout_s`` (the config ``timeout_key``): the group is removed and a
+    ``ConfigValidationError`` names ``key``, what could not be placed and the nodes,
+    since a queued group otherwise waits forever (seen: an export of a two-node run's
+    checkpoint on a one-node Ray)."""
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    from skyrl_train.errors import ConfigValidationError
 
     group = placement_group(bundles, strategy=strategy)
-    while not group.wait(timeout_seconds=_RESERVE_WARN_S):
-        nodes = [
-            f"{node['NodeID'][:8]}: {node['Resources'].get('CPU', 0.0):g} CPUs"
-            for node in ray.nodes()
-            if node["Alive"]
-        ]
+    deadline = time.monotonic() + timeout_s
+    while True:
+        left = deadline - time.monotonic()
+        if group.wait(timeout_seconds=max(0.0, min(_RESERVE_WARN_S, left))):
+            return group
+        what = f"{len(bundles)} bundles of {bundles[0] if bundles else {}}"
+        if time.monotonic() >= deadline:
+            remove_placement_group(group)
+            raise ConfigValidationError(
+                key,
+                expected=f"Ray to place {what} by {strategy} within {timeout_key} "
+                f"({timeout_s:g} s)",
+                got=f"not placed; alive nodes: {_alive_nodes()}",
+            )
         logger.warning(
-            "%s=%s: waiting for Ray to place %d bundles of %s; alive nodes: %s",
+            "%s=%s: waiting for Ray to place %s (%s: %g s); alive nodes: %s",
             key,
             strategy,
-            len(bundles),
-            bundles[0] if bundles else {},
-            ", ".join(nodes),
+            what,
+            timeout_key,
+            timeout_s,
+            _alive_nodes(),
         )
-    return group
+
+
+def _alive_nodes() -> str:
+    import ray
+
+    return ", ".join(
+        f"{node['NodeID'][:8]}: {node['Resources'].get('CPU', 0.0):g} CPUs"
+        for node in ray.nodes()
+        if node["Alive"]
+    )
 
 
 def require_cpus(requests: Mapping[str, tuple[int, float]], *, local: bool) -> None:

@@ -127,7 +127,7 @@ def test_the_run_config_records_the_strategy_and_its_node(
     cfg = load_config([f"trainer.strategy={strategy}", "trainer.placement.num_trainers=2"])
     record = json.loads(run_config_record(cfg))
     assert record["trainer"]["strategy"] == strategy
-    assert list(record["trainer"]["policy"]) == [node]
+    assert list(record["trainer"]["policy"]) == ["optimizer_config", "routing_replay", node]
     assert other not in record["trainer"]["policy"]
     # An export reads it back as the same backend and layout.
     back = parse_config(record)

@@ -1,4 +1,5 @@
-"""A local launch's Ray: loopback only, token authentication on, shut down after."""
+"""A local launch's Ray: loopback only, token authentication on, shut down after; a
+placement group it cannot make is refused at its deadline."""
 
 from __future__ import annotations
 
@@ -73,7 +74,9 @@ def test_local_ray_listens_on_loopback_and_refuses_a_wrong_token(tmp_path: Path)
     assert not ray.is_initialized()
 
 
-def test_an_initialised_ray_is_used_and_left_running(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_an_initialised_ray_is_used_and_left_running_and_refuses_an_unplaceable_group(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     # ray.address=null starts a local Ray even where another is announced on this
     # machine (RAY_ADDRESS, or the file a `ray start` writes): ray.init() alone joins
     # that one, and refuses num_cpus there.
@@ -85,9 +88,43 @@ def test_an_initialised_ray_is_used_and_left_running(monkeypatch: pytest.MonkeyP
         assert not again.started
         again.shutdown()
         assert ray.is_initialized()
+        # On the same one-node Ray: a Ray start costs seconds on the 2-core machine.
+        _an_unplaceable_group_is_refused_at_its_deadline(monkeypatch, caplog)
     finally:
         session.shutdown()
     assert not ray.is_initialized()
+
+
+def _an_unplaceable_group_is_refused_at_its_deadline(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A local Ray has one node: two bundles STRICT_SPREAD can never be placed, and Ray
+    queues the group without a message (an export of the two-node recipe's checkpoint
+    waited forever). The wait is logged, then refused naming the key, the group
+    removed; a group Ray can place is returned."""
+    from skyrl_train.errors import ConfigValidationError
+    from skyrl_train.utils import ray_session
+
+    monkeypatch.setattr(ray_session, "_RESERVE_WARN_S", 0.5)
+    keys = {"key": "trainer.placement.strategy", "timeout_key": "trainer.placement.timeout_s"}
+    with (
+        caplog.at_level("WARNING", logger=ray_session.__name__),
+        pytest.raises(ConfigValidationError) as info,
+    ):
+        ray_session.reserve_bundles(
+            [{"CPU": 0.5}] * 2, strategy="STRICT_SPREAD", timeout_s=2.0, **keys
+        )
+    assert info.value.path == "trainer.placement.strategy"
+    message = str(info.value)
+    assert "2 bundles of {'CPU': 0.5} by STRICT_SPREAD" in message, message
+    assert "within trainer.placement.timeout_s (2 s)" in message, message
+    assert "alive nodes: " in message and ": 1 CPUs" in message, message
+    assert "trainer.placement.strategy=STRICT_SPREAD: waiting for Ray" in caplog.text
+    states = {g["state"] for g in ray.util.placement_group_table().values()}
+    assert states == {"REMOVED"}, states
+    group = ray_session.reserve_bundles([{"CPU": 0.5}] * 2, strategy="PACK", timeout_s=60, **keys)
+    assert ray.util.placement_group_table(group)["state"] == "CREATED"
+    ray.util.remove_placement_group(group)
 
 
 def test_auth_disabled_by_the_user_is_honoured_with_a_warning(monkeypatch, caplog) -> None:
