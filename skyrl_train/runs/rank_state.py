@@ -27,7 +27,7 @@ from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import numpy as np
 import torch
@@ -35,6 +35,9 @@ import torch
 from skyrl_train.errors import CheckpointError, ConfigValidationError
 from skyrl_train.runs.checkpoint import RESUME_KEY
 from skyrl_train.utils.durable import write_file
+
+if TYPE_CHECKING:
+    from skyrl_train.config.schema import MegatronConfig
 
 RANK_FORMAT_KEY = "rank_format_version"
 RANK_FORMAT_VERSION = 2
@@ -165,19 +168,41 @@ def load_rank_state(
     # Files written before layouts were recorded carry none; world size is their check.
     saved_layout = state.get("layout") or layout or {}
     for name, value in (layout or {}).items():
-        # Files written before tensor parallelism was recorded could only be TP=1.
-        if saved_layout.get(name, LAYOUT_DEFAULTS.get(name)) != value:
+        if (had := saved_value(saved_layout, name)) != value:
             raise ConfigValidationError(
                 f"trainer.policy.megatron_config.{name}",
-                expected=f"the checkpoint's {saved_layout.get(name, LAYOUT_DEFAULTS.get(name))!r} "
-                f"to resume {str(folder)!r}",
+                expected=f"the checkpoint's {had!r} to resume {str(folder)!r}",
                 got=repr(value),
             )
     return state
 
 
-LAYOUT_DEFAULTS = {"tensor_model_parallel_size": 1}
-"""The value of a layout key a rank file written before the key was recorded had."""
+ETP_KEY = "expert_tensor_parallel_size"
+
+
+def layout_record(mc: MegatronConfig) -> dict[str, int | None]:
+    """The layout a rank file records (``trainer.policy.megatron_config``'s sizes): what
+    a resume compares to decide between its own file and resharding (``runs/reshard.py``).
+    ETP is resolved (null is TP, megatron-core's rule): expert weights are cut by it, so
+    a resume at another ETP that read its own file would load shards of another shape."""
+    return {
+        "pipeline_model_parallel_size": mc.pipeline_model_parallel_size,
+        "virtual_pipeline_model_parallel_size": mc.virtual_pipeline_model_parallel_size,
+        "expert_model_parallel_size": mc.expert_model_parallel_size,
+        "tensor_model_parallel_size": mc.tensor_model_parallel_size,
+        ETP_KEY: mc.expert_tensor_parallel_size or mc.tensor_model_parallel_size,
+    }
+
+
+def saved_value(saved: Mapping[str, Any], name: str) -> Any:
+    """Layout key ``name`` of a rank file's recorded layout ``saved``. A key the file
+    predates has the value every run had then: TP 1 (only TP=1 ran before it was
+    recorded), and ETP the file's TP (null, which megatron-core reads as TP)."""
+    if name in saved:
+        return saved[name]
+    if name == ETP_KEY:
+        return saved_value(saved, "tensor_model_parallel_size")
+    return 1 if name == "tensor_model_parallel_size" else None
 
 
 def read_plain(path: Path, *, map_location: str | None = None, mmap: bool = False) -> Any:

@@ -1,4 +1,4 @@
-"""Resuming a checkpoint under another layout: Megatron's TP, PP, VPP, EP or DP size, or
+"""Resuming a checkpoint under another layout: Megatron's TP, PP, VPP, EP, ETP or DP size, or
 another number of FSDP ranks.
 
 Each rank file records where every one of its parameters sits in the whole model
@@ -41,7 +41,7 @@ import torch
 from skyrl_train.errors import CheckpointError
 from skyrl_train.runs.backend import STRATEGY_KEY, UNNAMED_STRATEGY, StateMismatch, check_strategy
 from skyrl_train.runs.checkpoint import RESUME_KEY
-from skyrl_train.runs.rank_state import LAYOUT_DEFAULTS, RngState, checkpoint_file, read_rank_file
+from skyrl_train.runs.rank_state import RngState, checkpoint_file, read_rank_file, saved_value
 from skyrl_train.utils.shards import cut_shard, join_shards
 
 PLACEMENT_KEY = "placement"
@@ -113,12 +113,10 @@ def saved_layout(folder: Path) -> SavedLayout:
 
 def same_layout(saved: SavedLayout, *, world_size: int, layout: Mapping[str, Any]) -> bool:
     """Whether a rank of this run (``world_size`` ranks, ``layout``) resumes its own
-    rank file as it is; a key the file predates has its ``LAYOUT_DEFAULTS`` value."""
+    rank file as it is; a key the file predates reads as ``rank_state.saved_value`` says."""
     if saved.world_size != world_size:
         return False
-    return all(
-        saved.layout.get(name, LAYOUT_DEFAULTS.get(name)) == value for name, value in layout.items()
-    )
+    return all(saved_value(saved.layout, name) == value for name, value in layout.items())
 
 
 @dataclass(frozen=True)

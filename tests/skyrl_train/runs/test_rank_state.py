@@ -5,6 +5,7 @@ it into a checkpoint that resumes with identical model, optimizer and RNG states
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import io
 import json
@@ -34,7 +35,7 @@ from skyrl_train.runs.rank_state import (
     rng_state,
     save_rank_state,
 )
-from skyrl_train.runs.reshard import saved_layout
+from skyrl_train.runs.reshard import SavedLayout, same_layout, saved_layout
 from skyrl_train.trainer.policy import PolicyTrainer
 from skyrl_train.utils.durable import write_file
 from skyrl_train.workers.megatron import MegatronPolicyWorker
@@ -267,6 +268,50 @@ def test_save_and_resume_restore_model_optimizer_and_rng_exactly(
     _assert_same_state(trained, fresh)
 
 
+def _wrong_shape(state: dict[str, Any], where: str) -> str:
+    """Give one tensor of ``state`` another shape; the entry's name, as refused."""
+    if where == "model":
+        # The last tensor: torch's loader copied every other one first.
+        key = [k for k, v in state["model"].items() if isinstance(v, torch.Tensor)][-1]
+        state["model"][key] = torch.zeros(3, 5)
+        return f"model[{key!r}]"
+    last = max(state["optimizer"]["state"])
+    state["optimizer"]["state"][last]["exp_avg"] = torch.zeros(3, 5)
+    return f"optimizer['state'][{last}]['exp_avg']"
+
+
+@pytest.mark.parametrize("where", ["model", "optimizer"])
+def test_a_tensor_of_another_shape_is_refused_naming_file_and_key_before_loading(
+    tmp_path: Path, trainers: tuple[PolicyTrainer, PolicyTrainer], where: str
+) -> None:
+    # Torch's loader copied every tensor that fit, then raised a bare RuntimeError on
+    # every rank; its optimizer loader took moments of any shape without a word.
+    trained, fresh = trainers
+    assert trained.worker.optimizer is not None and fresh.worker.optimizer is not None
+    state = {
+        "world_size": 1,
+        "layout": trained._layout(),
+        "model": dict(trained.worker.model.state_dict()),
+        "optimizer": copy.deepcopy(trained.worker.optimizer.state_dict()),
+        "rng": rng_state(),
+    }
+    name = _wrong_shape(state, where)
+    final = _commit(tmp_path, lambda path: save_rank_state(path, state))
+    before = {k: v.clone() for k, v in fresh.worker.model.state_dict().items() if v is not None}
+    moments = copy.deepcopy(fresh.worker.optimizer.state_dict())
+    with pytest.raises(CheckpointError) as info:
+        fresh.load_checkpoint(str(final))
+    assert info.value.file == checkpoint_file(final, 0)
+    assert info.value.expected.startswith(f"{name}: a tensor of shape [")
+    assert info.value.got == "shape [3, 5]"
+    after = fresh.worker.model.state_dict()
+    assert all(torch.equal(value, after[k]) for k, value in before.items())
+    now = fresh.worker.optimizer.state_dict()
+    assert now["state"].keys() == moments["state"].keys()
+    for index, fields in moments["state"].items():
+        assert all(torch.equal(v, now["state"][index][f]) for f, v in fields.items())
+
+
 def test_a_bad_rng_field_is_refused_before_anything_is_restored(
     tmp_path: Path, trainers: tuple[PolicyTrainer, PolicyTrainer]
 ) -> None:
@@ -413,3 +458,43 @@ def test_a_file_without_a_tensor_parallel_size_resumes_only_at_tp_1(tmp_path: Pa
         )
     assert info.value.path == "trainer.policy.megatron_config.tensor_model_parallel_size"
     assert "the checkpoint's 1 to resume" in info.value.reason
+
+
+MC = "trainer.policy.megatron_config"
+
+
+def test_the_layout_records_etp_and_a_file_without_it_reads_as_etp_equal_to_its_tp(
+    tmp_path: Path,
+) -> None:
+    # Expert weights are cut by ETP: a resume at another ETP that took its own file
+    # loaded shards of another shape (issue 49), so ETP decides resharding like TP.
+    cfg = load_config([f"trainer.run_dir={tmp_path}"])
+    mc = cfg.trainer.policy.megatron_config
+    trainer = PolicyTrainer(cfg, checkpoint=str(tmp_path), pad_token_id=0)
+    mc.tensor_model_parallel_size, mc.expert_model_parallel_size = 2, 2
+    assert trainer._layout()["expert_tensor_parallel_size"] == 2  # null: TP
+    mc.expert_tensor_parallel_size = 1
+    now = trainer._layout()
+    assert now["expert_tensor_parallel_size"] == 1
+
+    old = {k: v for k, v in now.items() if k != "expert_tensor_parallel_size"}
+    saved = SavedLayout(world_size=4, layout=old, reshardable=True)
+    assert same_layout(saved, world_size=4, layout={**now, "expert_tensor_parallel_size": 2})
+    assert not same_layout(saved, world_size=4, layout=now)  # resharded
+    # Before TP was recorded too: TP 1, so ETP 1.
+    older = {k: v for k, v in old.items() if k != "tensor_model_parallel_size"}
+    older_saved = SavedLayout(world_size=4, layout=older, reshardable=True)
+    at_1 = {**now, "tensor_model_parallel_size": 1}
+    assert same_layout(older_saved, world_size=4, layout=at_1)
+
+    # A file without placement records resumes only its own ETP, refused naming the key.
+    state = {"world_size": 4, "layout": old, "model": {"w": torch.ones(2)}}
+    final = _commit(tmp_path, lambda path: save_rank_state(path, state))
+    etp_2 = {**now, "expert_tensor_parallel_size": 2}
+    assert load_rank_state(final, rank=0, world_size=4, layout=etp_2)["world_size"] == 4
+    from skyrl_train.errors import ConfigValidationError
+
+    with pytest.raises(ConfigValidationError) as info:
+        load_rank_state(final, rank=0, world_size=4, layout=now)
+    assert info.value.path == f"{MC}.expert_tensor_parallel_size"
+    assert "the checkpoint's 2 to resume" in info.value.reason and info.value.got == "1"

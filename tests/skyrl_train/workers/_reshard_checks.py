@@ -17,7 +17,7 @@ from _megatron_batches import PAD_ID
 
 from inference.models.tiny_moe import TinyMoEConfig, build_hf_model
 from skyrl_train.config.schema import MegatronConfig, OptimizerConfig
-from skyrl_train.runs.rank_state import checkpoint_file, save_rank_state
+from skyrl_train.runs.rank_state import checkpoint_file, layout_record, save_rank_state
 from skyrl_train.runs.reshard import rank_checkpoint, restore_rank
 
 WORLD = 2
@@ -41,13 +41,7 @@ rank's half of the experts (EP=2) to both TP ranks' halves of every expert."""
 
 def _layout(name: str) -> dict[str, Any]:
     """The layout record ``PolicyTrainer._layout`` writes for a layout."""
-    kwargs = LAYOUTS[name]
-    return {
-        "pipeline_model_parallel_size": kwargs.get("pipeline_model_parallel_size", 1),
-        "virtual_pipeline_model_parallel_size": kwargs.get("virtual_pipeline_model_parallel_size"),
-        "expert_model_parallel_size": kwargs.get("expert_model_parallel_size", 1),
-        "tensor_model_parallel_size": kwargs.get("tensor_model_parallel_size", 1),
-    }
+    return layout_record(MegatronConfig(**LAYOUTS[name]))
 
 
 def _worker(cfg: TinyMoEConfig, name: str) -> Any:

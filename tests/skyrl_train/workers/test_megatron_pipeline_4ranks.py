@@ -1,6 +1,7 @@
 """Four processes, gloo: PP=2 x EP=2, PP=2 x TP=2 (sequence parallel) and TP=2 x EP=2 x
 ETP=2 (experts split over EP and cut over TP, two data-parallel replicas) give the PP=1
-worker's numbers with every route replayed.
+worker's numbers with every route replayed; the last one's checkpoint resumes at ETP=1
+(resharded) with the same weights, moments and numbers.
 
 One 4-rank launch (its start-up, ~40 s on the 2-core AMD EPYC, is most of its cost)
 runs every layout in one process group and saves what each rank saw; the PP=1
@@ -42,6 +43,14 @@ LAYOUTS = {
     # dense one is two, so expert gradients are scaled by the dense size only.
     "tp2xep2xetp2": {"tensor_model_parallel_size": 2, "expert_model_parallel_size": 2},
 }
+ETP_1 = {
+    "tensor_model_parallel_size": 2,
+    "expert_model_parallel_size": 2,
+    "expert_tensor_parallel_size": 1,
+}
+"""Where the TP x EP x ETP=2 layout's checkpoint resumes: world size, TP and EP kept, so
+only the recorded ETP sends it to resharding (before it was recorded, the resume read
+its own file and died on torch's size mismatch after copying what fit)."""
 
 
 def _worker(layout: dict[str, int]) -> Any:
@@ -71,9 +80,39 @@ def _rank_main(rank: int, rendezvous: str, _name: str, out: str) -> None:
             got = _forward_and_step(worker, _batch())
             del got["grads"]  # sharded differently per layout; the norm sums them
             results[name] = got
+            if name == "tp2xep2xetp2":
+                results["etp_resume"] = _resume_at_etp_1(worker, rank, Path(out))
         torch.save(results, Path(out) / f"{rank}.pt")
     finally:
         torch.distributed.destroy_process_group()
+
+
+def _resume_at_etp_1(saved: Any, rank: int, out: Path) -> dict[str, Any]:
+    """Save ``saved`` (TP x EP x ETP=2, after a step) as the trainer does, resume it at
+    ``ETP_1`` through ``runs/reshard.py``: the whole weights and AdamW moments before and
+    after, and the resumed worker's forward and step."""
+    from _reshard_checks import _hf_state
+
+    from skyrl_train.runs.rank_state import checkpoint_file, layout_record, save_rank_state
+    from skyrl_train.runs.reshard import rank_checkpoint, restore_rank
+
+    folder = out / "etp2"
+    folder.mkdir(exist_ok=True)
+    layout = layout_record(MegatronConfig(**LAYOUTS["tp2xep2xetp2"]))
+    state = rank_checkpoint(saved, world_size=WORLD, layout=layout)
+    save_rank_state(checkpoint_file(folder, rank), state)
+    want = _hf_state(saved)
+    torch.distributed.barrier()  # every rank file is written before any is read
+    worker = _worker(ETP_1)
+    # The checkpoint's weights only through the reshard: these are another seed's.
+    worker.load_weights(build_hf_model(CFG, seed=2).state_dict().items())
+    done = restore_rank(
+        folder, worker, rank=rank, world_size=WORLD, layout=layout_record(MegatronConfig(**ETP_1))
+    )
+    got = _hf_state(worker)
+    step = _forward_and_step(worker, _batch())
+    del step["grads"]
+    return {"resharded": done is not None, "want": want, "got": got, **step}
 
 
 @pytest.fixture(scope="module")
@@ -113,3 +152,20 @@ def test_four_rank_pipeline_layouts_equal_single_rank(reports, reference, layout
         f"{reports[0][layout]['loss']:.9g} / {reference['loss']:.9g}, grad norm "
         f"{reports[0][layout]['grad_norm']:.9g} / {reference['grad_norm']:.9g}"
     )
+
+
+def test_a_resume_at_another_expert_tensor_size_reshards(reports, reference) -> None:
+    """TP x EP x ETP=2's checkpoint resumed at ETP=1 on the same 4 ranks: resharded,
+    every weight and AdamW moment equal to the saved ones, and the resumed worker gives
+    the PP=1 worker's numbers."""
+    for rank, report in enumerate(reports):
+        got = report["etp_resume"]
+        assert got["resharded"], f"rank {rank}: read as its own layout"
+        for part in ("weights", "exp_avg", "exp_avg_sq", "step"):
+            want = got["want"][part]
+            assert want.keys() == got["got"][part].keys(), (rank, part)
+            for name, value in want.items():
+                assert torch.equal(value, got["got"][part][name]), (rank, part, name)
+        _assert_close(got["logprobs"], reference["logprobs"], f"etp resume rank {rank}")
+        assert math.isclose(got["loss"], reference["loss"], rel_tol=1e-6), rank
+        assert math.isclose(got["grad_norm"], reference["grad_norm"], rel_tol=TOL), rank
