@@ -55,14 +55,15 @@ def loss_rows(
     *,
     estimator: str,
     zero_variance_filter: bool,
-    skip_flat_steps: bool,
+    skip_flat_steps: bool | None,
 ) -> torch.Tensor | None:
     """``[B]`` bool, the rows of a batch of ``group_size``-sample groups whose tokens
     enter the loss (``TrainingBatch.loss_rows``); None: every row. Only a group
     baseline (GRPO, RLOO) gives a flat group zero advantage, so other estimators and
     one-sample groups (trivially flat) always train every row.
 
-    ``skip_flat_steps`` leaves every row out when all groups are flat but their
+    ``skip_flat_steps`` (None: on, the config's "the estimator decides", which only
+    grpo and rloo act on) leaves every row out when all groups are flat but their
     rewards differ between prompts: the policy answers each prompt the same way every
     time and has learned something (some prompts pay), which a bonus-only update would
     erode with no reward to say so. A batch that scored the same everywhere (typically
@@ -73,7 +74,7 @@ def loss_rows(
     if zero_variance_filter:
         varying = varying_groups(rewards, group_size)
         return torch.tensor([v for v in varying for _ in range(group_size)])
-    if skip_flat_steps and is_learned_flat_step(rewards, group_size):
+    if skip_flat_steps is not False and is_learned_flat_step(rewards, group_size):
         return torch.zeros(len(rewards), dtype=torch.bool)
     return None
 

@@ -29,6 +29,7 @@ from typing import Any
 import skyrl_gym  # importing it registers the built-in environments
 from inference.models.architecture import MoEArchitecture
 from skyrl_train.algorithms.advantages import GROUPED_ESTIMATORS
+from skyrl_train.config.algorithm_rules import check_algorithm_options
 from skyrl_train.config.constraints import check_constraints, check_value
 from skyrl_train.config.engine_rules import (
     check_engine_backend,
@@ -226,6 +227,7 @@ def _check_trainer(cfg: PPOConfig, *, evaluation: bool) -> None:
             expected="null with policy_loss_type 'gspo' (dual clip is a regular-loss option)",
             got=str(alg.clip_ratio_c),
         )
+    check_algorithm_options(cfg)
     check_off_policy_correction(cfg)
     check_fully_async_correction(cfg)
     ds, d = alg.dynamic_sampling, f"{a}.dynamic_sampling"

@@ -39,6 +39,8 @@ def test_loss_rows_leave_out_a_step_whose_flat_groups_pay_differently() -> None:
     flat = [0.0, 0.0, 1.0, 1.0, 0.5, 0.5, 0.0, 0.0]
     assert torch.equal(_rows(flat), torch.zeros(8, dtype=torch.bool))
     assert torch.equal(_rows(flat, estimator="rloo"), torch.zeros(8, dtype=torch.bool))
+    # The config's null default ("the estimator decides") is on under grpo and rloo.
+    assert torch.equal(_rows(flat, skip_flat_steps=None), torch.zeros(8, dtype=torch.bool))
     # Every sample scored the same (nothing found yet): the bonus-only step explores.
     assert _rows([0.0] * 8) is None
     assert _rows([1.0] * 8) is None

@@ -1,0 +1,49 @@
+"""Launch rules for ``trainer.algorithm`` keys that act only beside another key: each is
+refused where it would be accepted and do nothing.
+
+``skip_flat_steps`` and ``zero_variance_filter`` act on flat groups, which only a group
+baseline with nothing else to fall back on leaves at zero advantage
+(``FLAT_GROUP_ZERO_ESTIMATORS``: grpo, rloo); ``turn_grpo`` scores a flat group's turns
+against the batch and ``reinforce++`` whitens over the batch, so neither has a step for
+them to act on. ``entropy_target`` scales the entropy bonus's coefficient, so it needs
+a bonus (``use_entropy_loss`` with ``entropy_loss_coef`` > 0).
+"""
+
+from __future__ import annotations
+
+from skyrl_train.algorithms.advantages import FLAT_GROUP_ZERO_ESTIMATORS
+from skyrl_train.config.schema import PPOConfig
+from skyrl_train.errors import ConfigValidationError
+
+ALGORITHM = "trainer.algorithm"
+
+
+def check_algorithm_options(cfg: PPOConfig) -> None:
+    """Refuse a flat-group option turned on under an estimator without flat groups, and
+    ``entropy_target`` without an entropy bonus to scale."""
+    alg = cfg.trainer.algorithm
+    estimator = alg.advantage_estimator
+    if estimator not in FLAT_GROUP_ZERO_ESTIMATORS:
+        for name in ("skip_flat_steps", "zero_variance_filter"):
+            if getattr(alg, name):
+                raise ConfigValidationError(
+                    f"{ALGORITHM}.{name}",
+                    expected=f"{'null or ' if name == 'skip_flat_steps' else ''}false with "
+                    f"{ALGORITHM}.advantage_estimator {estimator!r}, which gives no group "
+                    f"zero advantage (it acts only with {' or '.join(FLAT_GROUP_ZERO_ESTIMATORS)})",
+                    got="true",
+                )
+    if alg.entropy_target is None:
+        return
+    if not alg.use_entropy_loss:
+        missing = f"{ALGORITHM}.use_entropy_loss false"
+    elif alg.entropy_loss_coef == 0:
+        missing = f"{ALGORITHM}.entropy_loss_coef 0"
+    else:
+        return
+    raise ConfigValidationError(
+        f"{ALGORITHM}.entropy_target",
+        expected=f"null with {missing} (the target scales the entropy bonus's "
+        "coefficient, and there is no bonus)",
+        got=str(alg.entropy_target),
+    )
