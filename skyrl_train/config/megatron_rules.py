@@ -1,8 +1,8 @@
 """Launch rules for the Megatron trainer backend (``trainer.policy.megatron_config``):
 
 - the layout arithmetic: the world size against the tensor, pipeline, context and expert
-  sizes, and each size dividing what it splits (experts, heads, layers, vocabulary, MLP
-  widths);
+  sizes, and each size dividing what it splits (experts, heads, layers, MLP widths; the
+  vocabulary is padded instead, ``make_vocab_size_divisible_by``);
 - the settings the worker cannot honour (``refuse_replay_incompatible``, whose table is
   in ``megatron_unsupported.py``), checked after that arithmetic;
 - the tensor-parallel and pipeline layouts no launch test runs (``TESTED_*``,
@@ -176,10 +176,10 @@ def _check_tensor_parallel(
     arch: MoEArchitecture, mc: MegatronConfig, prefix: str, *, tp: int, etp: int
 ) -> None:
     """What the worker would refuse at TP > 1 only after Ray started: shards of the
-    vocabulary and the MLPs must be whole, a q/k norm over the whole projection needs
-    every head, and megatron-core's MoE layer trains TP only with sequence parallelism."""
+    MLPs must be whole, a q/k norm over the whole projection needs every head, and
+    megatron-core's MoE layer trains TP only with sequence parallelism. A vocabulary
+    TP does not divide is padded (``make_vocab_size_divisible_by``), as Megatron does."""
     key = f"{prefix}.tensor_model_parallel_size"
-    _divides(tp, arch.vocab_size, key, "the vocabulary size")
     if arch.dense_layers:
         _divides(tp, arch.dense_ffn_hidden_size, key, "the dense MLP width")
     if arch.shared_expert_ffn_hidden_size:

@@ -115,7 +115,8 @@ def make_contiguous(batch: TrainingBatch, *, pad_token_id: int = 0) -> Contiguou
 class VocabPart(Protocol):
     """The part of the vocabulary a rank's logits cover (``WholeVocabulary``, or
     Megatron's tensor-parallel ``VocabShard``): its first id and the three steps of the
-    scoring that a split vocabulary changes."""
+    scoring that a split vocabulary changes. ``log_softmax`` also gives padded ids
+    (rows Megatron adds so TP divides the vocabulary) probability 0."""
 
     @property
     def start(self) -> int: ...

@@ -169,7 +169,7 @@ def _export_own(chunks: Sequence[Any], arch: MoEArchitecture) -> Iterator[tuple[
     _ep_rank, ep_size, ep_group = _group("expert")
     if chunks[0].pre_process:
         embedding = chunks[0].embedding.word_embeddings.weight
-        yield "model.embed_tokens.weight", unshard(embedding, gated=False).clone()
+        yield "model.embed_tokens.weight", _vocab_rows(embedding, arch)
     for layer in (layer for chunk in chunks for layer in chunk.decoder.layers):
         number = layer.layer_number - 1  # Megatron numbers layers from 1, globally
         prefix = f"model.layers.{number}"
@@ -208,7 +208,7 @@ def _export_own(chunks: Sequence[Any], arch: MoEArchitecture) -> Iterator[tuple[
     if last.post_process:
         yield "model.norm.weight", last.decoder.final_layernorm.weight.detach().clone()
         if not arch.tie_word_embeddings:
-            yield "lm_head.weight", unshard(last.output_layer.weight, gated=False).clone()
+            yield "lm_head.weight", _vocab_rows(last.output_layer.weight, arch)
 
 
 def _broadcast_stages(
@@ -271,7 +271,7 @@ def load_hf_weights(
         if name == "model.embed_tokens.weight":
             if not first.pre_process:
                 continue
-            _copy_shard(first.embedding.word_embeddings.weight, tensor, name)
+            _copy_vocab_rows(first.embedding.word_embeddings.weight, tensor, name, arch)
         elif name == "model.norm.weight":
             if not last.post_process:
                 continue
@@ -280,7 +280,7 @@ def load_hf_weights(
             if not last.post_process:
                 continue
             if not arch.tie_word_embeddings:
-                _copy_shard(last.output_layer.weight, tensor, name)
+                _copy_vocab_rows(last.output_layer.weight, tensor, name, arch)
         else:
             match = _LAYER.match(name)
             number = int(match.group(1)) if match is not None else -1
@@ -334,6 +334,26 @@ def load_hf_weights(
             f"{mg_suffix}), got only {[names[i] for i in sorted(parts)]}"
         )
     return loaded
+
+
+def _vocab_rows(param: torch.Tensor, arch: MoEArchitecture) -> torch.Tensor:
+    """The whole embedding or output weight with the checkpoint's ``vocab_size`` rows:
+    the padded ones (``model.padded_vocab_size``) are no token, so neither the engine
+    nor an HF export ever sees them."""
+    return unshard(param, gated=False)[: arch.vocab_size].clone()
+
+
+def _copy_vocab_rows(
+    param: torch.Tensor, whole: torch.Tensor, name: str, arch: MoEArchitecture
+) -> None:
+    """``_copy_shard`` of an HF embedding or output weight (``vocab_size`` rows) into a
+    parameter padded to more rows; the padded rows get zeros, which no forward reads
+    (no token embeds as them, and their logits are masked: ``layout.VocabShard``)."""
+    rows, *rest = whole_shape_of(param).shape
+    _check_shape((arch.vocab_size, *rest), whole, name)
+    if rows > arch.vocab_size:
+        whole = torch.cat([whole, whole.new_zeros(rows - arch.vocab_size, *rest)])
+    _copy_shard(param, whole, name)
 
 
 def _check_shape(expected: tuple[int, ...], value: torch.Tensor, name: str) -> None:

@@ -150,29 +150,39 @@ class VocabShard:
     (``token_entropy``, its per-shard sums added up by ``sum``) are the backend-neutral
     ones; what is here is only what a split vocabulary adds, the all-reduced
     normaliser with its backward and the pick of a target from its owner shard. With
-    one shard (``whole``) every step is the algorithms' own."""
+    one shard (``whole``) and no padding every step is the algorithms' own.
+
+    A vocabulary the ranks do not divide is padded (``model.padded_vocab_size``): ids
+    from ``real_vocab`` on are no token, and their logits are set to -inf before the
+    log-softmax, so they add nothing to the normaliser, the entropy or the kept set's
+    mass, and get no gradient."""
 
     start: int
     size: int
     vocab: int
     group: Any = None
+    real_vocab: int | None = None
+    """The checkpoint's vocabulary, when ``vocab`` pads it; None: no padding."""
 
     @classmethod
-    def of(cls, local_vocab: int) -> VocabShard:
-        """This rank's shard, for logits ``[..., local_vocab]``."""
+    def of(cls, local_vocab: int, *, real_vocab: int | None = None) -> VocabShard:
+        """This rank's shard, for logits ``[..., local_vocab]``; ``real_vocab``: the
+        checkpoint's vocabulary (None: the logits hold no padded ids)."""
         from megatron.core import parallel_state
 
-        if not parallel_state.model_parallel_is_initialized():
-            return cls(start=0, size=local_vocab, vocab=local_vocab)
-        ranks = parallel_state.get_tensor_model_parallel_world_size()
-        if ranks == 1:
-            return cls(start=0, size=local_vocab, vocab=local_vocab)
-        rank = parallel_state.get_tensor_model_parallel_rank()
+        ranks, rank, group = 1, 0, None
+        if parallel_state.model_parallel_is_initialized():
+            ranks = parallel_state.get_tensor_model_parallel_world_size()
+            rank = parallel_state.get_tensor_model_parallel_rank()
+            if ranks > 1:
+                group = parallel_state.get_tensor_model_parallel_group()
+        vocab = ranks * local_vocab
         return cls(
             start=rank * local_vocab,
             size=local_vocab,
-            vocab=ranks * local_vocab,
-            group=parallel_state.get_tensor_model_parallel_group(),
+            vocab=vocab,
+            group=group,
+            real_vocab=real_vocab if real_vocab is not None and real_vocab < vocab else None,
         )
 
     @property
@@ -190,8 +200,19 @@ class VocabShard:
 
         return reduce_from_tensor_model_parallel_region(partial.contiguous(), group=self.group)
 
+    @property
+    def padded(self) -> int:
+        """Padded ids at the end of this shard (0 where all are tokens)."""
+        if self.real_vocab is None:
+            return 0
+        return min(self.size, max(0, self.start + self.size - self.real_vocab))
+
     def log_softmax(self, logits: torch.Tensor) -> torch.Tensor:
-        """This shard's part of the whole vocabulary's log-softmax over the last dim."""
+        """This shard's part of the whole vocabulary's log-softmax over the last dim;
+        padded ids get -inf (probability 0)."""
+        if self.padded:
+            logits = logits.clone()
+            logits[..., self.size - self.padded :] = float("-inf")
         if self.whole:
             return torch.log_softmax(logits, dim=-1)
         return _VocabParallelLogSoftmax.apply(logits, self.group)

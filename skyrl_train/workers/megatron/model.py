@@ -54,6 +54,14 @@ def moe_layer_pattern(arch: MoEArchitecture) -> list[int]:
     return [1 if i in moe else 0 for i in range(arch.num_layers)]
 
 
+def padded_vocab_size(vocab_size: int, mc: MegatronConfig) -> int:
+    """Rows of the embedding and output layer for a vocabulary of ``vocab_size``:
+    rounded up to a multiple of ``make_vocab_size_divisible_by`` x TP (Megatron's
+    rule), so each tensor-parallel rank holds an equal shard."""
+    multiple = mc.make_vocab_size_divisible_by * mc.tensor_model_parallel_size
+    return -(-vocab_size // multiple) * multiple
+
+
 def transformer_config_kwargs(arch: MoEArchitecture, mc: MegatronConfig) -> dict[str, Any]:
     """The TransformerConfig kwargs for ``arch`` and the ``megatron_config`` node ``mc``;
     the passthrough ``transformer_config_kwargs`` win."""
@@ -216,9 +224,12 @@ def init_parallel_state(mc: MegatronConfig, *, seed: int) -> None:
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 
-def build_model_chunks(arch: MoEArchitecture, config: Any, *, seed: int) -> list[Any]:
+def build_model_chunks(
+    arch: MoEArchitecture, config: Any, *, seed: int, vocab_rows: int | None = None
+) -> list[Any]:
     """This pipeline rank's GPTModel chunks for ``arch`` (one per virtual stage, one
-    without VPP); parallel state must be initialised.
+    without VPP); parallel state must be initialised. ``vocab_rows``: the embedding's
+    and output layer's rows (``padded_vocab_size``; None: the checkpoint's vocabulary).
 
     The layer specs are Megatron's own per-layer dense/MoE specs from
     ``moe_layer_freq`` (local modules, no Transformer Engine), sliced to each chunk's
@@ -252,7 +263,7 @@ def build_model_chunks(arch: MoEArchitecture, config: Any, *, seed: int) -> list
         gpt = GPTModel(
             config=config,
             transformer_layer_spec=block,
-            vocab_size=arch.vocab_size,
+            vocab_size=arch.vocab_size if vocab_rows is None else vocab_rows,
             max_sequence_length=arch.max_position_embeddings,
             pre_process=parallel_state.is_pipeline_first_stage(
                 ignore_virtual=False, vp_stage=stage

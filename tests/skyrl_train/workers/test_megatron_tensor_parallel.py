@@ -7,6 +7,7 @@ clipped. Every layout runs in one process group: the reference is TP=1 with both
 given the same whole batch (two data-parallel replicas of one rank: their averaged
 gradient is that rank's, exactly). The alltoall token dispatcher is compared too (the
 worker's default is allgather); flex needs DeepEP or HybridEP on a GPU and is refused.
+A vocabulary of 381 ids, which TP=2 does not divide, trains padded (``ODD_VOCAB``).
 """
 
 from __future__ import annotations
@@ -49,6 +50,11 @@ LAYOUTS: dict[str, tuple[dict[str, Any], tuple[str, ...]]] = {
     # Two data-parallel replicas, each a one-rank model: the dispatcher only permutes.
     "DP=2, alltoall": (ALLTOALL, ("builtin",)),
 }
+# A vocabulary of 381 ids (odd, as added special tokens leave real ones), which TP=2
+# does not divide: padded to 382 rows by the default rule and to 512 by Megatron's own
+# default (m=128: the second shard holds 125 ids and 131 padded rows). Checkpoint ->
+# (vocabulary, make_vocab_size_divisible_by, the padded rows).
+ODD_VOCAB: dict[str, tuple[int, int, int]] = {"builtin": (381, 1, 382), "mixtral": (381, 128, 512)}
 
 
 def _batch(routes: torch.Tensor) -> Any:
@@ -80,8 +86,9 @@ def _loss(lp: torch.Tensor, mb: Any, ent: torch.Tensor) -> torch.Tensor:
 
 
 def _run_case(
-    arch: Any, layout: dict[str, Any], hf_state: dict[str, torch.Tensor]
+    arch: Any, layout: dict[str, Any], hf_state: dict[str, torch.Tensor], *, r3_only: bool = False
 ) -> dict[str, Any]:
+    """``r3_only``: the R3 forward and train step alone (no R2 step, no swapped shard)."""
     from skyrl_train.workers.megatron import MegatronPolicyWorker
 
     mc = MegatronConfig(moe_enable_routing_replay=True, **layout)
@@ -98,13 +105,27 @@ def _run_case(
     layers, experts, top_k = len(arch.moe_layers), arch.num_experts, arch.num_experts_per_tok
     rollout = _batch(random_routes(4, 9, layers, experts, top_k, seed=11))
     out: dict[str, Any] = {}
+    rows = worker.chunks[0].embedding.word_embeddings.weight.shape[0] * tp
+    if rows != arch.vocab_size:
+        # A padded model serves and exports the checkpoint's rows, exactly as loaded.
+        out["rows"] = rows
+        exported = dict(worker.export_weights())
+        assert exported.keys() == hf_state.keys()
+        assert all(torch.equal(exported[n], hf_state[n]) for n in hf_state)
+        # A checkpoint tensor of the padded size is not the checkpoint's: refused by name.
+        embed = "model.embed_tokens.weight"
+        wide = torch.ones(rows, arch.hidden_size)
+        with pytest.raises(ValueError, match=rf"^{embed}.shape: expected \({arch.vocab_size}, "):
+            worker.load_weights([(embed, wide)])
+        assert torch.equal(dict(worker.export_weights())[embed], hf_state[embed])
     first = worker.forward(rollout, capture_routes=True, entropy=True)
     out["logprobs"], out["entropy"] = first.logprobs, first.entropy
     out["r3_forward"] = _agreement(first.routes, rollout.routed_experts, rollout)
     rollout = dataclasses.replace(rollout, rollout_logprobs=first.logprobs)
-    # R2's source: what the trainer's routers choose themselves (no replay).
-    own = worker.forward(dataclasses.replace(rollout, routed_experts=None), capture_routes=True)
-    out["own_routes"] = own.routes
+    if not r3_only:
+        # R2's source: what the trainer's routers choose themselves (no replay).
+        own = worker.forward(dataclasses.replace(rollout, routed_experts=None), capture_routes=True)
+        out["own_routes"] = own.routes
     step = worker.train_step(
         rollout, loss_fn=_loss, micro_batch_size=2, entropy=True, capture_routes=True
     )
@@ -112,6 +133,8 @@ def _run_case(
     out["loss"], out["grad_norm"] = step.loss, step.grad_norm
     out["weights"] = dict(worker.export_weights())
     out["grads"] = clipped_grads(worker)
+    if r3_only:
+        return out
     r2 = dataclasses.replace(rollout, routed_experts=own.routes)
     # Back to the checkpoint's weights, so the R2 step's loss and norm compare on the
     # same weights: after step 1 the layouts differ where AdamW's first step amplified
@@ -175,22 +198,39 @@ def _rank_main(rank: int, rendezvous: str) -> None:
                 if name in cases:
                     got = _run_case(arch, settings, hf_state)
                     _compare(f"{name} {layout}", rank, hf_state, ref, got)
+        _odd_vocabularies(rank)
     finally:
         torch.distributed.destroy_process_group()
 
 
-def _checkpoint(name: str) -> tuple[Any, dict[str, torch.Tensor]]:
+def _odd_vocabularies(rank: int) -> None:
+    for name, (vocab, multiple, rows) in ODD_VOCAB.items():
+        arch, hf_state = _checkpoint(name, vocab=vocab)
+        # The R3 forward and step: the R2 step and the swapped shard score as they do.
+        ref = _run_case(arch, {}, hf_state, r3_only=True)
+        settings = {"tensor_model_parallel_size": 2, "make_vocab_size_divisible_by": multiple}
+        got = _run_case(arch, settings, hf_state, r3_only=True)
+        assert "rows" not in ref and got["rows"] == rows, (name, got.get("rows"))
+        # Measured: at most 1.5e-7 relative.
+        assert got["loss"] == pytest.approx(ref["loss"], rel=1e-6), (name, got["loss"], ref["loss"])
+        _compare(f"{name} vocabulary {vocab} TP=2", rank, hf_state, ref, got)
+
+
+def _checkpoint(name: str, *, vocab: int | None = None) -> tuple[Any, dict[str, torch.Tensor]]:
     """The built-in model, or a family's tiny checkpoint as transformers builds it (norm
-    weights moved off 1, as test_megatron_families.py does, so a misplaced norm shows)."""
+    weights moved off 1, as test_megatron_families.py does, so a misplaced norm shows);
+    ``vocab``: another vocabulary size than the model's default."""
     if name == "builtin":
-        return ARCH, build_hf_model(CFG, seed=1).state_dict()
+        cfg = CFG if vocab is None else dataclasses.replace(CFG, vocab_size=vocab)
+        return cfg.architecture(), build_hf_model(cfg, seed=1).state_dict()
     from transformers import AutoModelForCausalLM
 
     from inference.models.architecture import TinySizes
     from inference.models.families import FAMILIES, describe
 
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(FAMILIES[name].tiny_config(TinySizes()))
+    sizes = TinySizes() if vocab is None else TinySizes(vocab_size=vocab)
+    model = AutoModelForCausalLM.from_config(FAMILIES[name].tiny_config(sizes))
     with torch.no_grad():
         for param in model.parameters():
             if param.min() == param.max():
@@ -201,14 +241,16 @@ def _checkpoint(name: str) -> tuple[Any, dict[str, torch.Tensor]]:
 def _compare(name: str, rank: int, hf_state: dict[str, torch.Tensor], ref: dict, got: dict) -> None:
     """The Target: TP=2 (``got``) against the one-rank reference (``ref``)."""
     for key in ("r3_forward", "r3_step", "r2_step"):
-        assert ref[key] == 1.0 and got[key] == 1.0, (name, key, ref[key], got[key])
+        if key in got:
+            assert ref[key] == 1.0 and got[key] == 1.0, (name, key, ref[key], got[key])
     # A permuted shard must fail: most routers then see another token's routes.
     if "swapped" in got:
         assert got["swapped"] < 0.5, got["swapped"]
-    assert torch.equal(got["own_routes"], ref["own_routes"])
+    if "own_routes" in got:
+        assert torch.equal(got["own_routes"], ref["own_routes"])
     assert _close(got["logprobs"], ref["logprobs"]) <= TOL
     assert _close(got["entropy"], ref["entropy"]) <= TOL
-    for suffix in ("", "2"):
+    for suffix in ("", "2") if "loss2" in got else ("",):
         loss, want_loss = got["loss" + suffix], ref["loss" + suffix]
         # Equal to fp32 rounding of per-token logprobs that agree to TOL (measured: 1.0e-6
         # relative on qwen3_moe).
