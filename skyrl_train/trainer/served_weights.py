@@ -8,7 +8,9 @@ would show it only as a large number in a plot. This check stops the run instead
 
 One check: each engine gets the same greedy probes (the first ``PROBE_PROMPTS``
 distinct training prompts, ``PROBE_TOKENS`` new tokens each), the trainer scores the
-served tokens with its own forward on the weights it just pushed, and a statistic of
+served tokens with its own forward on the weights it just pushed (dropping no token
+at an expert capacity, which no engine does: ``workers/megatron/capacity.py``), and a
+statistic of
 |served - trainer| logprob must stay within
 ``generator.inference_engine.verify_weights_tolerance`` (default 0.1). Which
 statistic depends on whether the engine returned its routes (docs/vllm.md, "The

@@ -198,10 +198,13 @@ class PolicyWorker(Checkpointable, Protocol):
         capture_routes: bool = False,
         entropy: bool = False,
         temperature: float | None = None,
+        drop_tokens: bool = True,
     ) -> ForwardResult:
         """Response logprobs without gradient, microbatch by microbatch.
         ``temperature``: None scores under the rollout sampler's; 1.0 with a batch
-        without ``sample_support`` gives the raw logits' logprobs."""
+        without ``sample_support`` gives the raw logits' logprobs. ``drop_tokens=False``:
+        no expert drops a token over its capacity (an engine never does); a backend
+        without an expert capacity drops none either way."""
         ...
 
     def rollout_router_agreement(

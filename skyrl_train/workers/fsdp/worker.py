@@ -205,9 +205,11 @@ class FSDPPolicyWorker:
         trajectory_ids: Sequence[str] | None = None,
         entropy: bool = False,
         temperature: float | None = None,
+        drop_tokens: bool = True,
     ) -> ForwardResult:
         """Response logprobs ``[B, R]`` without gradient, microbatch by microbatch
-        (``workers.base.PolicyWorker.forward``)."""
+        (``workers.base.PolicyWorker.forward``). ``drop_tokens`` changes nothing: the
+        Hugging Face MoE blocks have no expert capacity."""
         temperature = self.temperature if temperature is None else temperature
         do_replay = self._check_replay(batch, replay_routes, trajectory_ids)
         micro = self._microbatches(batch, micro_batch_size)

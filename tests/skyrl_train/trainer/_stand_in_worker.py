@@ -75,6 +75,7 @@ class StandInWorker:
         capture_routes: bool = False,
         entropy: bool = False,
         temperature: float | None = None,
+        drop_tokens: bool = True,
     ) -> ForwardResult:
         raise NotImplementedError("the stand-in's test defines forward")
 
