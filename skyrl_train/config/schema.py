@@ -140,9 +140,10 @@ class VLLMConfig:
     weight_url_host: str | None = None
     """How pushed weights reach the servers. null: a safetensors file per bucket on this
     host (``/dev/shm``), so every server must run here. An address: the pushing trainer
-    binds it and serves each bucket once over HTTP with a token of its own, and the
-    servers pull it, for vLLM on other hosts (``remote_urls``); ``auto``: that trainer's
-    node address as Ray reports it (``inference.vllm.senders.URLBucketSender``)."""
+    binds it and serves each bucket over HTTP with a token of its own, once to each
+    worker of a server (each announces itself first), and the servers pull it, for
+    vLLM on other hosts (``remote_urls``); ``auto``: that trainer's node address as Ray
+    reports it (``inference.vllm.senders.URLBucketSender``)."""
 
 
 @dataclass
@@ -252,6 +253,13 @@ class MegatronConfig:
     expert_tensor_parallel_size: int | None = setting(None, ge=1)
     """None means equal to ``tensor_model_parallel_size`` (Megatron's default)."""
     context_parallel_size: int = setting(1, ge=1)
+    make_vocab_size_divisible_by: int = setting(1, ge=1)
+    """The embedding and output layer get ``ceil(V / (m * TP)) * m * TP`` rows for a
+    vocabulary of V (Megatron's rule, m this key), so every tensor-parallel rank holds
+    an equal shard; the padded ids are never scored, sampled or exported. 1 pads only
+    a vocabulary TP does not divide. Megatron's own default, 128, aligns the rows for
+    GPU GEMMs; here it would change every rank file's shape (and the resharding
+    between TP sizes) for a vocabulary that needs no padding."""
     moe_enable_routing_replay: bool | None = None
     """Deprecated alias of ``trainer.policy.routing_replay.enabled``; null: not set. Set,
     it is copied there at composition with a warning (``config.routing_replay``). A
@@ -436,20 +444,24 @@ class AlgorithmConfig:
     the policy's own tokens) is below this trains with the bonus coefficient raised to
     ``entropy_loss_coef * entropy_target / entropy`` (at most ``ENTROPY_BOOST_CAP``
     times the coefficient), so groups keep varying instead of settling on one answer a
-    prompt; at or above it the coefficient is ``entropy_loss_coef``. Null: constant."""
-    skip_flat_steps: bool = True
+    prompt; at or above it the coefficient is ``entropy_loss_coef``. Null: constant.
+    Refused without a bonus to scale (``use_entropy_loss`` false or a coefficient of 0)."""
+    skip_flat_steps: bool | None = None
     """A step whose groups are all flat (every sample of each prompt scored the same)
     while some prompts pay more than others makes no optimizer step: its policy
     gradient is zero, so the entropy bonus and the KL term would be all that is left,
     and the bonus alone pulls a policy that has learned something back towards uniform
     (the late collapse in docs/experiments.md). A step with any varying group, or one
     where every sample scored the same (nothing found yet: the bonus explores), trains
-    as before; metrics are logged either way. GRPO and RLOO only."""
+    as before; metrics are logged either way. Null: the estimator decides, on under
+    grpo and rloo, off under turn_grpo and reinforce++ (they have no such step: a flat
+    group still has a signal there); true under those two is refused."""
     zero_variance_filter: bool = False
     """Leave flat groups (every sample scored the same) out of the loss: their tokens
     add nothing to the policy gradient, so without the filter they carry only the
     entropy bonus; a mini-batch whose groups are all flat makes no optimizer step.
-    Metrics still cover every group. GRPO and RLOO only (SkyRL's key)."""
+    Metrics still cover every group. GRPO and RLOO only (SkyRL's key): true under
+    turn_grpo or reinforce++, whose flat groups still have advantages, is refused."""
     dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
     off_policy_correction: OffPolicyCorrectionConfig = field(
         default_factory=OffPolicyCorrectionConfig
@@ -473,6 +485,10 @@ class PlacementConfig:
     every rank on a node of its own (refused with more than one rank on a local Ray,
     which has one node), ``STRICT_PACK`` all on one node
     (docs/cluster-and-security.md)."""
+    timeout_s: float = setting(600.0, gt=0.0)
+    """How long a launch waits for Ray to place ``strategy``'s placement group (a
+    cluster may be adding nodes) before it refuses, naming the strategy and the nodes
+    Ray has: Ray queues a group it cannot place forever, without a message."""
 
 
 @dataclass
@@ -535,9 +551,10 @@ class TrainerConfig:
     resume_from: str | None = None
     """A ``step_NNNNNN`` checkpoint folder, or ``latest``: the newest checkpoint under
     ``<run_dir>/checkpoints`` whose files verify (damaged ones are skipped, each named
-    in a warning; with none, a folder no run wrote to starts fresh, so one command
-    serves a job's first launch and its resubmissions; a folder named latest is
-    ``./latest``). Verified against its manifest, and
+    in a warning; with none, the folder's run goes on from where it began: a run
+    killed before its first save starts again from step 0, a branch resumes its branch
+    point, a folder no run wrote to starts fresh, so one command serves a job's first
+    launch and its resubmissions; a folder named latest is ``./latest``). Verified against its manifest, and
     ``latest`` resolved, once at launch before Ray starts. Resumed into the run_dir it
     came from, the run first drops the metrics lines of the steps after the
     checkpoint's (each step is logged once); into another run_dir, that folder must be

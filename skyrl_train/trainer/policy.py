@@ -41,7 +41,7 @@ from skyrl_train.algorithms.token_mean import microbatch_denominator
 from skyrl_train.config.schema import PPOConfig
 from skyrl_train.dataset.batch import TrainingBatch, slice_batch, training_loss_mask
 from skyrl_train.runs.export import WeightFiles, write_weights
-from skyrl_train.runs.rank_state import checkpoint_file, save_rank_state
+from skyrl_train.runs.rank_state import checkpoint_file, layout_record, save_rank_state
 from skyrl_train.runs.reshard import rank_checkpoint, restore_rank
 from skyrl_train.trainer.data_parallel import ROWS_KEY
 from skyrl_train.trainer.finite import require_finite, require_finite_weights
@@ -433,15 +433,19 @@ class PolicyTrainer:
     def score(self, batch: TrainingBatch) -> torch.Tensor | None:
         """The current weights' logprobs ``[B, R]`` of ``batch``'s response tokens (the
         served-weights check, ``served_weights.py``): with the batch's routes replayed
-        when it carries the engine's, else with the trainer's own routing.
-        Every rank runs it (experts and stages meet in collectives); only the last
-        pipeline stage holds logprobs, the others return None."""
+        when it carries the engine's, else with the trainer's own routing, and no
+        token dropped at an expert capacity, as the engines compute. Every rank runs
+        it (experts and stages meet in collectives); only the last pipeline stage
+        holds logprobs, the others return None."""
         logprobs = self.worker.forward(
             batch,
             micro_batch_size=self.cfg.trainer.micro_forward_batch_size_per_gpu,
             replay_routes=batch.routed_experts is not None,
             # The probe is greedy and the engine reports it under the raw logits.
             temperature=1.0,
+            # An expert capacity is a training-time choice no engine makes: scored with
+            # it, right weights read 1.04 off at factor 1.0 (issue 49).
+            drop_tokens=False,
         ).logprobs
         return logprobs if self.info.is_last_stage else None
 
@@ -519,19 +523,13 @@ class PolicyTrainer:
         save_rank_state(checkpoint_file(Path(folder), self.info.rank), state)
 
     def _layout(self) -> dict[str, int | None]:
-        mc = self.cfg.trainer.policy.megatron_config
-        return {
-            "pipeline_model_parallel_size": mc.pipeline_model_parallel_size,
-            "virtual_pipeline_model_parallel_size": mc.virtual_pipeline_model_parallel_size,
-            "expert_model_parallel_size": mc.expert_model_parallel_size,
-            "tensor_model_parallel_size": mc.tensor_model_parallel_size,
-        }
+        return layout_record(self.cfg.trainer.policy.megatron_config)
 
     def load_checkpoint(self, folder: str) -> None:
         """Restore this rank from ``folder``, which the launch verified against its
         manifest (``checkpoint.verify_resume``) before Ray started; rank files are read
         with ``torch.load(weights_only=True)``. A checkpoint of another layout (world
-        size, TP, PP, VPP or EP) is resharded (``runs/reshard.py``)."""
+        size, TP, PP, VPP, EP or ETP) is resharded (``runs/reshard.py``)."""
         resharded = restore_rank(
             Path(folder),
             self.worker,

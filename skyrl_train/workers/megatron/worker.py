@@ -45,7 +45,7 @@ from skyrl_train.workers.base import (
     check_swapped_weights,
 )
 from skyrl_train.workers.batch_layout import score_responses, split_microbatches
-from skyrl_train.workers.megatron import convert, replay
+from skyrl_train.workers.megatron import capacity, convert, replay
 from skyrl_train.workers.megatron.cpu_compat import apply_cpu_compat
 from skyrl_train.workers.megatron.gradients import (
     average_data_parallel_grads,
@@ -58,6 +58,7 @@ from skyrl_train.workers.megatron.model import (
     build_model_chunks,
     build_transformer_config,
     init_parallel_state,
+    padded_vocab_size,
 )
 from skyrl_train.workers.megatron.pipeline import PipelineGroup
 from skyrl_train.workers.megatron.schedule import (
@@ -117,7 +118,8 @@ class MegatronPolicyWorker:
         apply_cpu_compat()
         config = build_transformer_config(self.architecture, self.megatron_config)
         init_parallel_state(self.megatron_config, seed=self.seed)
-        self.chunks = build_model_chunks(self.architecture, config, seed=self.seed)
+        rows = padded_vocab_size(self.architecture.vocab_size, self.megatron_config)
+        self.chunks = build_model_chunks(self.architecture, config, seed=self.seed, vocab_rows=rows)
         self.model = self.chunks[0] if len(self.chunks) == 1 else torch.nn.ModuleList(self.chunks)
         self._pipeline = PipelineGroup.current()
         self.routers = replay.local_routers(self.chunks)
@@ -188,8 +190,12 @@ class MegatronPolicyWorker:
         }
 
     def load_checkpoint_state(self, state: Mapping[str, Any]) -> None:
-        """Load a ``checkpoint_state`` of this layout (or one resharded to it)."""
+        """Load a ``checkpoint_state`` of this layout (or one resharded to it), every
+        entry checked first (``placement.check_state``: ``StateMismatch``)."""
+        from skyrl_train.workers.megatron.placement import check_state
+
         assert self.optimizer is not None
+        check_state(self._require_model(), self.optimizer, state)
         self._require_model().load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
 
@@ -226,6 +232,7 @@ class MegatronPolicyWorker:
         trajectory_ids: Sequence[str] | None = None,
         entropy: bool = False,
         temperature: float | None = None,
+        drop_tokens: bool = True,
     ) -> ForwardResult:
         """Response logprobs ``[B, R]`` without gradient, microbatch by microbatch.
 
@@ -233,6 +240,7 @@ class MegatronPolicyWorker:
         ``entropy=True`` also returns each response position's entropy.
         ``temperature``: None scores under the rollout sampler's (``self.temperature``);
         1.0 with a batch without ``sample_support`` gives the raw logits' logprobs.
+        ``drop_tokens=False``: no expert capacity for this forward (``capacity.py``).
         """
         temperature = self.temperature if temperature is None else temperature
         do_replay = self._check_replay(batch, replay_routes, trajectory_ids)
@@ -240,14 +248,18 @@ class MegatronPolicyWorker:
         logprobs: list[torch.Tensor | None] = [None] * batches.count
         entropies: list[torch.Tensor | None] = [None] * batches.count
 
+        vocab = self.architecture.vocab_size
+
         def keep(m: int, logits: torch.Tensor) -> torch.Tensor:
-            lp, ent = _response(logits, batches, m, entropy=entropy, temperature=temperature)
+            lp, ent = _response(
+                logits, batches, m, entropy=entropy, temperature=temperature, vocab_size=vocab
+            )
             logprobs[m] = lp.cpu()
             entropies[m] = ent.cpu() if ent is not None else None
             return torch.zeros(())
 
         self._require_model().eval()
-        with torch.no_grad():
+        with torch.no_grad(), capacity.token_dropping(self.chunks, enabled=drop_tokens):
             routes = self._run(
                 batches, head=keep, forward_only=True, replay=do_replay, capture=capture_routes
             )
@@ -292,8 +304,12 @@ class MegatronPolicyWorker:
         batches = self._prepare(batch, micro_batch_size)
         losses = torch.zeros(batches.count, dtype=torch.float64)
 
+        vocab = self.architecture.vocab_size
+
         def loss(m: int, logits: torch.Tensor) -> torch.Tensor:
-            lp, ent = _response(logits, batches, m, entropy=entropy, temperature=self.temperature)
+            lp, ent = _response(
+                logits, batches, m, entropy=entropy, temperature=self.temperature, vocab_size=vocab
+            )
             extra = (ent,) if ent is not None else ()
             value = loss_fn(lp, batch_to(batches.micro[m], lp.device), *extra)  # type: ignore[arg-type]
             losses[m] = float(value.detach())
@@ -389,15 +405,22 @@ class MegatronPolicyWorker:
 
 
 def _response(
-    logits: torch.Tensor, batches: Microbatches, m: int, *, entropy: bool, temperature: float
+    logits: torch.Tensor,
+    batches: Microbatches,
+    m: int,
+    *,
+    entropy: bool,
+    temperature: float,
+    vocab_size: int,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Microbatch ``m``'s response logprobs ``[b, R]`` and, with ``entropy``, entropy,
-    under the rollout sampler's distribution, on this rank's vocabulary shard."""
+    under the rollout sampler's distribution, on this rank's vocabulary shard (ids from
+    ``vocab_size`` on are the padding of ``padded_vocab_size`` and never count)."""
     return score_responses(
         logits,
         batches.layouts[m],
         batches.micro[m],
         entropy=entropy,
         temperature=temperature,
-        shard=VocabShard.of(logits.shape[-1]),
+        shard=VocabShard.of(logits.shape[-1], real_vocab=vocab_size),
     )

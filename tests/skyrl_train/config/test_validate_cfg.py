@@ -271,6 +271,17 @@ def test_tensor_parallelism_with_sequence_parallelism_launches() -> None:
         )
 
 
+def test_a_vocabulary_tensor_parallelism_does_not_divide_launches_padded() -> None:
+    # 381 ids at TP=2: the embedding and output layer are padded (Megatron's rule), as
+    # tests/skyrl_train/workers/test_megatron_tensor_parallel.py trains them.
+    tp2 = ["trainer.placement.num_trainers=2", f"{POLICY}.tensor_model_parallel_size=2"]
+    validate_cfg(load_config([*tp2, "model.builtin.vocab_size=381"]))
+    padded = f"{POLICY}.make_vocab_size_divisible_by=128"
+    validate_cfg(load_config([*tp2, "model.builtin.vocab_size=381", padded]))
+    err = _refusal([f"{POLICY}.make_vocab_size_divisible_by=0"])
+    assert err.path == f"{POLICY}.make_vocab_size_divisible_by"
+
+
 TP2 = ["trainer.placement.num_trainers=4", f"{POLICY}.tensor_model_parallel_size=2"]
 
 
@@ -535,6 +546,50 @@ def test_dynamic_sampling_type_is_one_of_its_names() -> None:
     assert "n_samples_per_prompt 1" in err.reason
 
 
+@pytest.mark.parametrize("estimator", ["turn_grpo", "reinforce++"])
+@pytest.mark.parametrize("name", ["skip_flat_steps", "zero_variance_filter"])
+def test_flat_group_options_are_refused_where_no_group_is_flat(estimator: str, name: str) -> None:
+    # Both were accepted and ignored under the default turn_grpo (issue 49, item 6).
+    err = _refusal(
+        [f"trainer.algorithm.advantage_estimator={estimator}", f"trainer.algorithm.{name}=true"]
+    )
+    assert err.path == f"trainer.algorithm.{name}" and err.got == "true"
+    assert f"advantage_estimator {estimator!r}" in err.reason and "grpo or rloo" in err.reason
+
+
+def test_flat_group_options_default_to_what_each_estimator_does() -> None:
+    # Null: the estimator decides; false is honest everywhere, true where groups go flat.
+    assert load_config().trainer.algorithm.skip_flat_steps is None
+    for estimator in ("grpo", "rloo", "turn_grpo", "reinforce++"):
+        for extra in ([], ["trainer.algorithm.skip_flat_steps=false"]):
+            validate_cfg(
+                load_config([f"trainer.algorithm.advantage_estimator={estimator}", *extra])
+            )
+    for estimator in ("grpo", "rloo"):
+        validate_cfg(
+            load_config(
+                [f"trainer.algorithm.advantage_estimator={estimator}",
+                 "trainer.algorithm.skip_flat_steps=true",
+                 "trainer.algorithm.zero_variance_filter=true"]
+            )
+        )  # fmt: skip
+    validate_cfg(load_config(["environment=guess_number"]))  # the grpo preset
+
+
+@pytest.mark.parametrize(
+    ("override", "missing"),
+    [
+        ("use_entropy_loss=false", "trainer.algorithm.use_entropy_loss false"),
+        ("entropy_loss_coef=0", "trainer.algorithm.entropy_loss_coef 0"),
+    ],
+)
+def test_entropy_target_without_a_bonus_is_refused(override: str, missing: str) -> None:
+    err = _refusal(["trainer.algorithm.entropy_target=0.3", f"trainer.algorithm.{override}"])
+    assert err.path == "trainer.algorithm.entropy_target" and err.got == "0.3"
+    assert err.expected is not None and err.expected.startswith(f"null with {missing}")
+    validate_cfg(load_config(["trainer.algorithm.entropy_target=0.3"]))  # the default bonus
+
+
 def test_validate_cfg_takes_a_composed_hydra_config_too() -> None:
     from hydra import compose, initialize_config_dir
 
@@ -561,11 +616,15 @@ def test_a_run_dir_holding_another_runs_metrics_is_refused_unless_resuming(
     (run_dir / "metrics.jsonl").write_text('{"step": 1, "reward/mean": 0.5}\n')
     err = _refusal([f"trainer.run_dir={run_dir}"])
     assert err.path == "trainer.run_dir"
-    assert "trainer.resume_from" in err.reason and str(run_dir) in err.reason
+    # Metrics alone, no checkpoint and no run.json: no resume could continue it, so
+    # the refusal suggests only a new folder.
+    assert "pick a new trainer.run_dir" in err.reason and str(run_dir) in err.reason
+    assert "trainer.resume_from" not in err.reason
     assert (run_dir / "metrics.jsonl").read_text().count("\n") == 1  # left as it was
     folder = begin_save(run_dir / "checkpoints", step=1)
     write_file(folder / DRIVER_FILE, json.dumps({"step": 1, "world_size": 1}).encode())
     checkpoint = commit_save(folder, step=1)
+    assert "trainer.resume_from=latest" in _refusal([f"trainer.run_dir={run_dir}"]).reason
     validate_cfg(load_config([f"trainer.run_dir={run_dir}", f"trainer.resume_from={checkpoint}"]))
 
 
