@@ -45,6 +45,20 @@ def _describe(got: Any) -> str:
 class InferenceError(Exception):
     """Root of every exception the ``inference`` package defines."""
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Exceptions pickle as ``cls(*args)``, which these constructors (several
+        # arguments, keyword-only options) cannot take: one raised in a Ray actor
+        # reached the caller as Ray's UnserializableException. Rebuilt from its
+        # attributes instead, without calling ``__init__`` again.
+        return (_rebuild, (type(self), self.args, self.__dict__))
+
+
+def _rebuild(cls: type[BaseException], args: tuple[Any, ...], state: dict[str, Any]) -> Any:
+    err = cls.__new__(cls, *args)
+    err.args = args
+    err.__dict__.update(state)
+    return err
+
 
 class _PathError(InferenceError, ValueError):
     """``path: expected X, got Y``; ``got`` is kept as is and shown as a short repr."""

@@ -90,9 +90,44 @@ def test_an_initialised_ray_is_used_and_left_running_and_refuses_an_unplaceable_
         assert ray.is_initialized()
         # On the same one-node Ray: a Ray start costs seconds on the 2-core machine.
         _an_unplaceable_group_is_refused_at_its_deadline(monkeypatch, caplog)
+        _an_actors_error_reaches_the_caller_as_itself()
     finally:
         session.shutdown()
     assert not ray.is_initialized()
+
+
+def _an_actors_error_reaches_the_caller_as_itself() -> None:
+    """Before the trees pickled by their attributes, a rank's ConfigValidationError
+    reached the driver as Ray's UnserializableException (``tests/test_errors_pickle.py``)."""
+    from inference.errors import GenerateTransportError
+    from skyrl_train.errors import DatasetError
+
+    class Failing:  # defined here: pickled by value, the test module is not importable there
+        def config(self) -> None:
+            raise DatasetError(
+                "data.train_data[0]",
+                "/d.parquet",
+                row=4,
+                field="prompt",
+                expected="a list",
+                got="3",
+            )
+
+        def transport(self) -> None:
+            raise GenerateTransportError("connection reset")
+
+    actor = ray.remote(num_cpus=0)(Failing).remote()
+    with pytest.raises(DatasetError) as info:
+        ray.get(actor.config.remote())
+    assert (info.value.path, info.value.row, info.value.field) == (
+        "data.train_data[0]",
+        4,
+        "prompt",
+    )
+    assert "prompt: expected a list, got 3" in str(info.value)
+    with pytest.raises(GenerateTransportError, match="connection reset"):
+        ray.get(actor.transport.remote())
+    ray.kill(actor)
 
 
 def _an_unplaceable_group_is_refused_at_its_deadline(
