@@ -50,7 +50,16 @@ def assert_equal_to_transformers(results: list[Any], checkpoint: Path) -> None:
         assert result.logprobs == pytest.approx(logprobs, abs=1e-4), prompt
 
 
-@pytest.mark.parametrize("family", ["mixtral", "olmoe", "qwen2_moe"])
+# One vLLM server start per family (35-60 s on 2 cores): mixtral (top-2) stays in the
+# suite; the other two run in scripts/by_hand_checks.sh.
+@pytest.mark.parametrize(
+    "family",
+    [
+        "mixtral",
+        pytest.param("olmoe", marks=pytest.mark.by_hand),
+        pytest.param("qwen2_moe", marks=pytest.mark.by_hand),
+    ],
+)
 def test_greedy_equals_transformers_before_and_after_a_push(
     family: str, vllm_python: str, tmp_path: Path
 ) -> None:

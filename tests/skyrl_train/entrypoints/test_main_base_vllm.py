@@ -197,6 +197,7 @@ def docs_commands() -> list[list[str]]:
 
 
 @needs_vllm
+@pytest.mark.by_hand  # 12 steps with vLLM: about 90 s (scripts/by_hand_checks.sh)
 def test_the_docs_command_as_written_trains_and_evaluates(tmp_path: Path) -> None:
     """docs/vllm.md's commands from a fresh folder, the relative model.path included,
     for 12 steps with evaluation every 5 and the last export. A 64-token step budget
@@ -301,7 +302,11 @@ def test_fully_async_against_a_server_the_user_started(
 
 
 @needs_vllm
-@pytest.mark.parametrize("ending", ["server_killed", "ctrl_c"])
+# Ctrl-C's teardown is the builtin launches' (test_main_base_interrupt.py); what is
+# vLLM's own, the process group going, server_killed proves in the suite.
+@pytest.mark.parametrize(
+    "ending", ["server_killed", pytest.param("ctrl_c", marks=pytest.mark.by_hand)]
+)
 def test_a_run_ended_mid_way_leaves_no_vllm_process(
     tmp_path: Path, checkpoint: Path, ending: str
 ) -> None:
@@ -381,6 +386,7 @@ def test_a_run_ended_mid_way_leaves_no_vllm_process(
 
 
 @needs_vllm
+@pytest.mark.by_hand  # about 110 s; the guard itself is test_vllm_worker_extension.py's
 def test_vllms_moe_reload_bug_stops_the_run_at_the_launch_push(
     tmp_path: Path, checkpoint: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -187,6 +187,7 @@ def test_a_record_without_the_replay_mode_is_exported_with_replay_off(
 
 
 @pytest.mark.slow
+@pytest.mark.by_hand  # two Ray starts and their ranks, ~40 s: the round trips above guard it
 def test_a_replay_off_run_that_drops_tokens_exports(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
