@@ -2,20 +2,19 @@
 
 Names on the HF side are the transformers model's own (``named_parameters()``), which
 is what the engine loads and exports. Which tensors exist is the family's business
-(``inference.models.families``): its ``layer_table`` maps one-to-one tensors inside a
-decoder layer and its ``fused_table`` Megatron tensors concatenated on dim 0 from
-several HF ones (a dense or shared-expert MLP's ``[gate; up]``). An entry applies in a
-layer where the Megatron parameter exists, so dense and MoE layers of one model take
-different entries. q/k/v fusion and the stacked experts are common to every family.
+(``inference.models.families``; the tables and the q/k/v fusion: ``hf_tables.py``). An
+entry applies in a layer where the Megatron parameter exists, so dense and MoE layers
+of one model take different entries.
 
 Both directions stream: ``export_hf_weights`` yields ``(name, tensor)`` one HF tensor
 at a time, ``load_hf_weights`` consumes any iterable of them and only buffers what a
-fused Megatron tensor needs (a layer's q/k/v until all three arrived).
+fused Megatron tensor needs (``FusedParts``: a layer's q/k/v until all three
+arrived). Loading dispatches each name through a table of small handlers keyed by its
+pattern (``_HANDLERS``, then the layer's suffix), so a family's new kind of tensor is
+one entry, not one more branch.
 
 Layouts that must match (measured: fp32 logits within 3e-7 once they did):
-- ``linear_qkv`` (and its bias, Qwen2-MoE) is laid out per KV group: that group's
-  query heads, then its key head, then its value head. Concatenating all-q/all-k/all-v
-  cost 0.77 in logits.
+- ``linear_qkv`` per KV group (``hf_tables.fuse_qkv``).
 - transformers 5.x stores experts fused: ``mlp.experts.gate_up_proj [E, 2I, H]``, gate
   rows first, is each expert's ``linear_fc1`` as is (Megatron's gated unit applies
   silu to the first half); ``mlp.experts.down_proj [E, H, I]`` is ``linear_fc2``.
@@ -32,108 +31,24 @@ Layouts that must match (measured: fp32 logits within 3e-7 once they did):
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from inference.models.architecture import Family, MoEArchitecture
+from inference.models.architecture import MoEArchitecture
 from inference.models.families import family_named
+from skyrl_train.workers.megatron.hf_tables import (
+    EXPERTS,
+    LAYER,
+    FusedParts,
+    fused_entries,
+    model_parallel_of,
+)
 from skyrl_train.workers.megatron.tensor_parallel import is_gated, shard_of, unshard, whole_shape_of
 
-_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
-_EXPERTS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
 _EXPERT_PREFIX = "mlp.experts.local_experts."
-
-
-@dataclass(frozen=True)
-class _Fused:
-    """One Megatron tensor built from several HF tensors of the same layer."""
-
-    parts: tuple[str, ...]
-    """HF suffixes, in concatenation order."""
-    fuse: Callable[[list[torch.Tensor]], torch.Tensor]
-    split: Callable[[torch.Tensor], list[torch.Tensor]]
-    part_rows: Callable[[torch.Tensor], list[int]]
-    """Rows (dim 0) of each part, given the Megatron parameter."""
-
-
-def _qkv_rows(arch: MoEArchitecture) -> list[int]:
-    return [
-        arch.num_attention_heads * arch.head_dim,
-        arch.num_kv_heads * arch.head_dim,
-        arch.num_kv_heads * arch.head_dim,
-    ]
-
-
-def fuse_qkv(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, arch: MoEArchitecture
-) -> torch.Tensor:
-    """HF q/k/v projections (weights ``[rows, H]`` or biases ``[rows]``) -> Megatron
-    ``linear_qkv`` (per KV group: q heads, k, v)."""
-    groups, hd = arch.num_kv_heads, arch.head_dim
-    per_group = arch.num_attention_heads // groups
-    rest = tuple(q.shape[1:])
-    q = q.reshape(groups, per_group * hd, *rest)
-    k = k.reshape(groups, hd, *rest)
-    v = v.reshape(groups, hd, *rest)
-    return torch.cat([q, k, v], dim=1).reshape(-1, *rest)
-
-
-def split_qkv(
-    qkv: torch.Tensor, arch: MoEArchitecture
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Megatron ``linear_qkv`` weight or bias -> HF (q, k, v) projections."""
-    groups, hd = arch.num_kv_heads, arch.head_dim
-    per_group = arch.num_attention_heads // groups
-    rest = tuple(qkv.shape[1:])
-    grouped = qkv.reshape(groups, (per_group + 2) * hd, *rest)
-    q, k, v = torch.split(grouped, [per_group * hd, hd, hd], dim=1)
-    return q.reshape(-1, *rest), k.reshape(-1, *rest), v.reshape(-1, *rest)
-
-
-def _fused_entries(arch: MoEArchitecture, family: Family) -> dict[str, _Fused]:
-    """Megatron suffix -> how it is built: q/k/v (weights, and biases when the family
-    has them) and the family's ``fused_table`` (equal parts concatenated on dim 0)."""
-
-    def qkv(kind: str) -> _Fused:
-        return _Fused(
-            parts=tuple(f"self_attn.{p}_proj.{kind}" for p in "qkv"),
-            fuse=lambda ts: fuse_qkv(ts[0], ts[1], ts[2], arch),
-            split=lambda t: list(split_qkv(t, arch)),
-            part_rows=lambda _param: _qkv_rows(arch),
-        )
-
-    def concat(parts: tuple[str, ...]) -> _Fused:
-        n = len(parts)
-        return _Fused(
-            parts=parts,
-            fuse=lambda ts: torch.cat(ts, dim=0),
-            split=lambda t: list(torch.chunk(t, n, dim=0)),
-            part_rows=lambda param: [param.shape[0] // n] * n,
-        )
-
-    entries = {"self_attention.linear_qkv.weight": qkv("weight")}
-    if arch.qkv_bias:
-        entries["self_attention.linear_qkv.bias"] = qkv("bias")
-    for mg_suffix, hf_suffixes in family.fused_table.items():
-        entries[mg_suffix] = concat(tuple(hf_suffixes))
-    return entries
-
-
-def _group(kind: str) -> tuple[int, int, Any]:
-    """(rank, size, group) in Megatron's ``expert`` or ``pipeline`` model-parallel
-    group; (0, 1, None) before parallel state exists."""
-    from megatron.core import parallel_state
-
-    if not parallel_state.model_parallel_is_initialized():
-        return 0, 1, None
-    return (
-        getattr(parallel_state, f"get_{kind}_model_parallel_rank")(),
-        getattr(parallel_state, f"get_{kind}_model_parallel_world_size")(),
-        getattr(parallel_state, f"get_{kind}_model_parallel_group")(),
-    )
 
 
 def _gather_experts(local: torch.Tensor, ep_size: int, group: Any) -> torch.Tensor:
@@ -156,7 +71,7 @@ def export_hf_weights(
     would reach the engine as its old value).
     """
     own = _export_own(chunks, arch)
-    if _group("pipeline")[1] == 1:
+    if model_parallel_of("pipeline")[1] == 1:
         return own
     return _broadcast_stages(own)
 
@@ -165,8 +80,8 @@ def _export_own(chunks: Sequence[Any], arch: MoEArchitecture) -> Iterator[tuple[
     """This rank's tensors: the embedding on the first stage, its layers, and the
     final norm and output layer on the last stage."""
     family = family_named(arch.family)
-    fused = _fused_entries(arch, family)
-    _ep_rank, ep_size, ep_group = _group("expert")
+    fused = fused_entries(arch, family)
+    _ep_rank, ep_size, ep_group = model_parallel_of("expert")
     if chunks[0].pre_process:
         embedding = chunks[0].embedding.word_embeddings.weight
         yield "model.embed_tokens.weight", _vocab_rows(embedding, arch)
@@ -217,7 +132,7 @@ def _broadcast_stages(
     """Stage 0's tensors, then stage 1's, ...: the owner broadcasts each tensor's name,
     shape and dtype, then its bytes; a None header ends a stage. An owner whose export
     fails sends the error instead, so the other stages raise it rather than wait."""
-    stage, stages, group = _group("pipeline")
+    stage, stages, group = model_parallel_of("pipeline")
     dist = torch.distributed
     for source in range(stages):
         src = dist.get_global_rank(group, source)
@@ -256,84 +171,179 @@ def load_hf_weights(
     router weight for a dense layer) and shape mismatches raise ValueError naming the
     tensor; a fused tensor whose parts did not all arrive is reported at the end.
     """
-    family = family_named(arch.family)
-    what = f"a {family.architectures[0]} weight name of this model"
-    fused = _fused_entries(arch, family)
-    part_of = {hf: (mg, i) for mg, entry in fused.items() for i, hf in enumerate(entry.parts)}
-    ep_rank, ep_size, _unused = _group("expert")
-    local_experts = arch.num_experts // ep_size
-    layers = {layer.layer_number - 1: layer for chunk in chunks for layer in chunk.decoder.layers}
-    first, last = chunks[0], chunks[-1]
-    pending: dict[tuple[int, str], dict[int, torch.Tensor]] = {}
+    target = _Target.of(chunks, arch)
     loaded = 0
     for name, tensor in named_tensors:
-        tensor = tensor.detach()
-        if name == "model.embed_tokens.weight":
-            if not first.pre_process:
-                continue
-            _copy_vocab_rows(first.embedding.word_embeddings.weight, tensor, name, arch)
-        elif name == "model.norm.weight":
-            if not last.post_process:
-                continue
-            _copy(last.decoder.final_layernorm.weight, tensor, name)
-        elif name == "lm_head.weight":
-            if not last.post_process:
-                continue
-            if not arch.tie_word_embeddings:
-                _copy_vocab_rows(last.output_layer.weight, tensor, name, arch)
-        else:
-            match = _LAYER.match(name)
-            number = int(match.group(1)) if match is not None else -1
-            if number not in layers and 0 <= number < arch.num_layers:
-                continue  # another pipeline stage's layer
-            if match is None or number not in layers:
-                raise ValueError(f"{name}: expected {what}")
-            suffix = match.group(2)
-            layer = layers[number]
-            params = dict(layer.named_parameters())
-            direct = family.layer_table.get(suffix, "")
-            if direct in params:
-                _copy_shard(params[direct], tensor, name, gated=is_gated(direct))
-            elif suffix in part_of and part_of[suffix][0] in params:
-                mg_suffix, index = part_of[suffix]
-                entry, param = fused[mg_suffix], params[mg_suffix]
-                whole_shape = whole_shape_of(param)
-                rows = entry.part_rows(whole_shape)[index]
-                _check_shape((rows, *whole_shape.shape[1:]), tensor, name)
-                parts = pending.setdefault((number, mg_suffix), {})
-                parts[index] = tensor
-                if len(parts) == len(entry.parts):
-                    whole = entry.fuse([parts[i] for i in range(len(entry.parts))])
-                    _copy_shard(
-                        param, whole, f"{name} (fused into {mg_suffix})", gated=is_gated(mg_suffix)
-                    )
-                    del pending[(number, mg_suffix)]
-            elif suffix in _EXPERTS and hasattr(layer.mlp, "experts"):
-                if tensor.dim() != 3 or tensor.shape[0] != arch.num_experts:
-                    raise ValueError(
-                        f"{name}.shape: expected [{arch.num_experts}, rows, cols] (one slice "
-                        f"per expert), got {tuple(tensor.shape)}"
-                    )
-                mine = tensor[ep_rank * local_experts : (ep_rank + 1) * local_experts]
-                attr = "linear_fc1" if suffix.endswith("gate_up_proj") else "linear_fc2"
-                for j, expert in enumerate(layer.mlp.experts.local_experts):
-                    _copy_shard(
-                        getattr(expert, attr).weight,
-                        mine[j],
-                        f"{name}[{ep_rank * local_experts + j}]",
-                        gated=attr == "linear_fc1",
-                    )
-            else:
-                raise ValueError(f"{name}: expected {what}")
-        loaded += 1
-    if pending:
-        (number, mg_suffix), parts = next(iter(pending.items()))
-        names = fused[mg_suffix].parts
-        raise ValueError(
-            f"model.layers.{number}: expected all of {list(names)} (fused into "
-            f"{mg_suffix}), got only {[names[i] for i in sorted(parts)]}"
-        )
+        loaded += int(_load_one(target, name, tensor.detach()))
+    target.fused.check_complete()
     return loaded
+
+
+@dataclass(frozen=True)
+class _InLayer:
+    """An HF tensor of one of this rank's decoder layers."""
+
+    name: str
+    number: int
+    suffix: str
+    layer: Any
+    params: dict[str, torch.nn.Parameter]
+    tensor: torch.Tensor
+
+
+_LayerHandler = Callable[["_Target", _InLayer], bool]
+"""Copies the tensor and returns True, or returns False when this layer has no
+parameter of that kind (the name is then unknown)."""
+
+
+@dataclass(frozen=True)
+class _Target:
+    """What one load copies into: this rank's chunks and layers, and the family's tables."""
+
+    arch: MoEArchitecture
+    first: Any
+    last: Any
+    layers: dict[int, Any]
+    layer_table: Mapping[str, str]
+    part_of: dict[str, tuple[str, int]]
+    """HF suffix -> (the Megatron suffix it is fused into, its place among the parts)."""
+    by_suffix: dict[str, list[_LayerHandler]]
+    fused: FusedParts
+    first_expert: int
+    """The global index of this rank's first expert (``[r*E/ep, (r+1)*E/ep)``)."""
+    what: str
+
+    @classmethod
+    def of(cls, chunks: Sequence[Any], arch: MoEArchitecture) -> _Target:
+        family = family_named(arch.family)
+        fused = fused_entries(arch, family)
+        part_of = {hf: (mg, i) for mg, entry in fused.items() for i, hf in enumerate(entry.parts)}
+        ep_rank, ep_size, _group = model_parallel_of("expert")
+        by_suffix: dict[str, list[_LayerHandler]] = {}
+        for suffixes, handler in (
+            (family.layer_table, _direct),
+            (part_of, _fused_part),
+            (EXPERTS, _experts),
+        ):
+            for suffix in suffixes:
+                by_suffix.setdefault(suffix, []).append(handler)
+        return cls(
+            arch=arch,
+            first=chunks[0],
+            last=chunks[-1],
+            layers={layer.layer_number - 1: layer for c in chunks for layer in c.decoder.layers},
+            layer_table=family.layer_table,
+            part_of=part_of,
+            by_suffix=by_suffix,
+            fused=FusedParts(fused),
+            first_expert=ep_rank * (arch.num_experts // ep_size),
+            what=f"a {family.architectures[0]} weight name of this model",
+        )
+
+    def unknown(self, name: str) -> ValueError:
+        return ValueError(f"{name}: expected {self.what}")
+
+
+def _load_one(target: _Target, name: str, tensor: torch.Tensor) -> bool:
+    """Whether this rank took ``name``: the first handler whose pattern matches it."""
+    for pattern, handler in _HANDLERS:
+        match = pattern.match(name)
+        if match is not None:
+            return handler(target, match, tensor)
+    raise target.unknown(name)
+
+
+def _embedding(target: _Target, match: re.Match[str], tensor: torch.Tensor) -> bool:
+    if not target.first.pre_process:
+        return False
+    weight = target.first.embedding.word_embeddings.weight
+    _copy_vocab_rows(weight, tensor, match.string, target.arch)
+    return True
+
+
+def _final_norm(target: _Target, match: re.Match[str], tensor: torch.Tensor) -> bool:
+    if not target.last.post_process:
+        return False
+    _copy(target.last.decoder.final_layernorm.weight, tensor, match.string)
+    return True
+
+
+def _output(target: _Target, match: re.Match[str], tensor: torch.Tensor) -> bool:
+    """Taken (and counted) on the last stage even when tied: the embedding is the output."""
+    if not target.last.post_process:
+        return False
+    if not target.arch.tie_word_embeddings:
+        _copy_vocab_rows(target.last.output_layer.weight, tensor, match.string, target.arch)
+    return True
+
+
+def _layer_tensor(target: _Target, match: re.Match[str], tensor: torch.Tensor) -> bool:
+    """A decoder layer's tensor, by its suffix; another stage's layer is passed over."""
+    number, name = int(match.group(1)), match.string
+    if number not in target.layers:
+        if 0 <= number < target.arch.num_layers:
+            return False
+        raise target.unknown(name)
+    layer = target.layers[number]
+    item = _InLayer(name, number, match.group(2), layer, dict(layer.named_parameters()), tensor)
+    if not any(handler(target, item) for handler in target.by_suffix.get(item.suffix, ())):
+        raise target.unknown(name)
+    return True
+
+
+def _direct(target: _Target, item: _InLayer) -> bool:
+    mg_suffix = target.layer_table[item.suffix]
+    if mg_suffix not in item.params:
+        return False
+    _copy_shard(item.params[mg_suffix], item.tensor, item.name, gated=is_gated(mg_suffix))
+    return True
+
+
+def _fused_part(target: _Target, item: _InLayer) -> bool:
+    """One part of a fused tensor: checked against its share of the whole now, copied
+    once its siblings arrived (in any order)."""
+    mg_suffix, index = target.part_of[item.suffix]
+    if mg_suffix not in item.params:
+        return False
+    param = item.params[mg_suffix]
+    whole_shape = whole_shape_of(param)
+    rows = target.fused.entries[mg_suffix].part_rows(whole_shape)[index]
+    _check_shape((rows, *whole_shape.shape[1:]), item.tensor, item.name)
+    whole = target.fused.add(item.number, mg_suffix, index, item.tensor)
+    if whole is not None:
+        label = f"{item.name} (fused into {mg_suffix})"
+        _copy_shard(param, whole, label, gated=is_gated(mg_suffix))
+    return True
+
+
+def _experts(target: _Target, item: _InLayer) -> bool:
+    """A stacked ``[E, rows, cols]`` experts tensor: this rank's experts of it, each
+    into its own ``linear_fc1`` (gate rows first) or ``linear_fc2``."""
+    if not hasattr(item.layer.mlp, "experts"):
+        return False
+    tensor, experts = item.tensor, target.arch.num_experts
+    if tensor.dim() != 3 or tensor.shape[0] != experts:
+        raise ValueError(
+            f"{item.name}.shape: expected [{experts}, rows, cols] (one slice "
+            f"per expert), got {tuple(tensor.shape)}"
+        )
+    start = target.first_expert
+    fc1 = item.suffix.endswith("gate_up_proj")
+    for j, expert in enumerate(item.layer.mlp.experts.local_experts):
+        param = (expert.linear_fc1 if fc1 else expert.linear_fc2).weight
+        _copy_shard(param, tensor[start + j], f"{item.name}[{start + j}]", gated=fc1)
+    return True
+
+
+_Handler = Callable[[_Target, re.Match[str], torch.Tensor], bool]
+_HANDLERS: tuple[tuple[re.Pattern[str], _Handler], ...] = (
+    (re.compile(r"^model\.embed_tokens\.weight$"), _embedding),
+    (re.compile(r"^model\.norm\.weight$"), _final_norm),
+    (re.compile(r"^lm_head\.weight$"), _output),
+    (LAYER, _layer_tensor),
+)
+"""Name pattern -> handler, first match wins; a handler returns whether this rank took
+the tensor (the embedding only on the first stage, the norm and output on the last)."""
 
 
 def _vocab_rows(param: torch.Tensor, arch: MoEArchitecture) -> torch.Tensor:

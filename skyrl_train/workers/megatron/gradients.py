@@ -4,44 +4,25 @@ Megatron's DDP and optimizer wrappers hard-code CUDA, so the worker runs plain
 ``torch.optim.AdamW`` and does here what those wrappers would: average gradients over
 the data-parallel groups the way Megatron's DDP scales them (dense and expert grads
 both by 1/dp_size), and clip by the global norm over every shard of the model.
-Expert parameters are the ones Megatron marks ``allreduce=False``.
+Which parameters are expert weights or tensor-parallel shards, and over which group,
+is ``tensor_parallel.py``'s answer, the one loading and export use.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 
 from skyrl_train.algorithms.optim import clip_to_norm_
 from skyrl_train.algorithms.token_mean import data_parallel_mean_
 from skyrl_train.workers.megatron.pipeline import PipelineGroup
-
-
-def _is_expert(param: torch.Tensor) -> bool:
-    return not getattr(param, "allreduce", True)
-
-
-def _tensor_parallel_group(expert: bool) -> tuple[int, Any]:
-    """(size, group) of the tensor-parallel group a parameter's shards span: the
-    expert one for expert parameters (``expert_tensor_parallel_size``)."""
-    from megatron.core import parallel_state
-
-    if expert:
-        return (
-            parallel_state.get_expert_tensor_parallel_world_size(),
-            parallel_state.get_expert_tensor_parallel_group(),
-        )
-    return (
-        parallel_state.get_tensor_model_parallel_world_size(),
-        parallel_state.get_tensor_model_parallel_group(),
-    )
-
-
-def _is_tensor_parallel_shard(param: torch.Tensor) -> bool:
-    return bool(getattr(param, "tensor_model_parallel", False))
+from skyrl_train.workers.megatron.tensor_parallel import (
+    is_expert,
+    is_shard,
+    tensor_parallel_group,
+)
 
 
 def sum_sequence_parallel_grads(model: torch.nn.Module) -> None:
@@ -51,11 +32,9 @@ def sum_sequence_parallel_grads(model: torch.nn.Module) -> None:
     the q/k norms (which see one shard of the heads), as megatron-core's
     ``finalize_model_grads`` does before its optimizer. Without it the TP ranks' copies
     of those weights drift apart after the first step."""
-    from megatron.core import parallel_state
-
-    if parallel_state.get_tensor_model_parallel_world_size() == 1:
+    _rank, size, group = tensor_parallel_group(expert=False)
+    if size == 1:
         return
-    group = parallel_state.get_tensor_model_parallel_group()
     for name, param in model.named_parameters():
         if param.grad is None:
             continue
@@ -89,7 +68,7 @@ def average_data_parallel_grads(params: Sequence[torch.nn.Parameter]) -> None:
     for param in params:
         if param.grad is None:
             continue
-        expert = int(_is_expert(param))
+        expert = int(is_expert(param))
         if sizes[expert] > 1:
             torch.distributed.all_reduce(param.grad, group=groups[expert])
         data_parallel_mean_(param.grad, dp_size=dp_size)
@@ -114,15 +93,15 @@ def clip_grad_norm(
     for p in with_grad:
         assert p.grad is not None
         sq = p.grad.detach().double().pow(2).sum()
-        expert = _is_expert(p)
-        if _is_tensor_parallel_shard(p):
+        expert = is_expert(p)
+        if is_shard(p):
             shard_sq[int(expert)] += sq
         elif expert:
             expert_sq += sq
         else:
             dense_sq += sq
     for expert in (False, True):
-        size, group = _tensor_parallel_group(expert)
+        _rank, size, group = tensor_parallel_group(expert=expert)
         if size > 1:
             torch.distributed.all_reduce(shard_sq[int(expert)], group=group)
     dense_sq += shard_sq[0]

@@ -6,36 +6,69 @@ Megatron marks a sharded parameter ``tensor_model_parallel`` with its
 (``convert.load_hf_weights``) cuts each rank's shard from the HF tensor and export
 gathers the shards back, so the engine always sees whole tensors. The cut itself is
 ``utils/shards.py``'s, which a checkpoint's resharding shares (``runs/reshard.py``).
+
+``tensor_parallel_of`` is the one answer to which group a parameter is a shard over:
+loading, export, the rank file's placements and the gradients' norm and reductions
+(``gradients.py``) all ask it, so an expert weight never counts over the dense group
+in one place and the expert one in another.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from skyrl_train.utils.shards import cut_shard, join_shards
 
 
-def tensor_parallel_of(param: torch.Tensor) -> tuple[int, int, Any]:
-    """(rank, size, group) of the tensor-parallel group ``param`` is a shard over: the
-    expert one for expert weights (``allreduce=False``), (0, 1, None) for a parameter
-    every rank holds whole."""
-    if not getattr(param, "tensor_model_parallel", False):
-        return 0, 1, None
+class TensorParallelGroup(NamedTuple):
+    """A rank's place in a tensor-parallel group: ``(rank, size, group)``."""
+
+    rank: int
+    size: int
+    group: Any
+
+
+_WHOLE = TensorParallelGroup(0, 1, None)
+
+
+def is_expert(param: torch.Tensor) -> bool:
+    """An expert weight: megatron-core marks them ``allreduce=False``."""
+    return not getattr(param, "allreduce", True)
+
+
+def is_shard(param: torch.Tensor) -> bool:
+    """A parameter megatron-core splits over a tensor-parallel group (marked
+    ``tensor_model_parallel``, at any size of that group, 1 included)."""
+    return bool(getattr(param, "tensor_model_parallel", False))
+
+
+def tensor_parallel_group(*, expert: bool) -> TensorParallelGroup:
+    """This rank in the expert tensor-parallel group (``expert_tensor_parallel_size``)
+    or the dense one: what every rank calls in lockstep when it reduces over all the
+    shards of one kind, whether or not it holds one."""
     from megatron.core import parallel_state
 
-    if not getattr(param, "allreduce", True):
-        return (
+    if expert:
+        return TensorParallelGroup(
             parallel_state.get_expert_tensor_parallel_rank(),
             parallel_state.get_expert_tensor_parallel_world_size(),
             parallel_state.get_expert_tensor_parallel_group(),
         )
-    return (
+    return TensorParallelGroup(
         parallel_state.get_tensor_model_parallel_rank(),
         parallel_state.get_tensor_model_parallel_world_size(),
         parallel_state.get_tensor_model_parallel_group(),
     )
+
+
+def tensor_parallel_of(param: torch.Tensor) -> TensorParallelGroup:
+    """(rank, size, group) of the tensor-parallel group ``param`` is a shard over: the
+    expert one for expert weights, (0, 1, None) for a parameter every rank holds whole."""
+    if not is_shard(param):
+        return _WHOLE
+    return tensor_parallel_group(expert=is_expert(param))
 
 
 def is_gated(param_name: str) -> bool:
