@@ -1,11 +1,11 @@
 """What a checkpoint costs to save, to load under its own layout, and to load resharded
-under another (``runs/reshard.py``), on two gloo processes (docs/parallel-layouts.md,
-"Resharding").
+under another (``runs/resume.py``, ``runs/reshard.py``), on two gloo processes
+(docs/parallel-layouts.md, "Resharding").
 
     OMP_NUM_THREADS=1 python scripts/bench_reshard.py --repeats 3
 
-Each rank saves its file as the trainer does (``reshard.rank_checkpoint`` then
-``rank_state.save_rank_state``: plain data, fsynced) after one AdamW step, so the file
+Each rank saves its file as the trainer does (``resume.rank_checkpoint`` then
+``rank_file.save_rank_state``: plain data, fsynced) after one AdamW step, so the file
 holds the weights and both moments. A figure is the slowest rank's, the median over
 ``--repeats``; files were just written, so loads read from the page cache.
 """
@@ -46,13 +46,11 @@ PAIRS = [
 ]
 
 
-def _layout_record(kwargs: dict[str, Any]) -> dict[str, Any]:
-    return {
-        "pipeline_model_parallel_size": kwargs.get("pipeline_model_parallel_size", 1),
-        "virtual_pipeline_model_parallel_size": kwargs.get("virtual_pipeline_model_parallel_size"),
-        "expert_model_parallel_size": kwargs.get("expert_model_parallel_size", 1),
-        "tensor_model_parallel_size": kwargs.get("tensor_model_parallel_size", 1),
-    }
+def _record(policy: Any) -> dict[str, Any]:
+    """The layout record the trainer writes: what the worker reports (``RankInfo.layout``)."""
+    layout = policy.rank_info().layout
+    assert layout is not None
+    return layout.record()
 
 
 def _slowest(seconds: float) -> float:
@@ -65,8 +63,8 @@ def _rank(rank: int, rendezvous: str, folder: str, sizes: dict[str, int], repeat
     torch.set_num_threads(1)
     from inference.models.tiny_moe import TinyMoEConfig, build_hf_model
     from skyrl_train.config.schema import MegatronConfig, OptimizerConfig
-    from skyrl_train.runs.rank_state import checkpoint_file, save_rank_state
-    from skyrl_train.runs.reshard import rank_checkpoint, restore_rank
+    from skyrl_train.runs.rank_file import checkpoint_file, save_rank_state
+    from skyrl_train.runs.resume import rank_checkpoint, restore_rank
     from skyrl_train.workers.megatron import MegatronPolicyWorker
 
     torch.distributed.init_process_group(
@@ -86,8 +84,9 @@ def _rank(rank: int, rendezvous: str, folder: str, sizes: dict[str, int], repeat
 
     root = Path(folder)
     report: dict[str, Any] = {"save": {}, "load": {}, "reshard": {}, "bytes": {}}
-    for name, kwargs in LAYOUTS.items():
+    for name in LAYOUTS:
         policy = worker(name)
+        record = _record(policy)
         # One AdamW step so the file holds both moments, as after training.
         sum((p.float() ** 2).sum() for p in policy.model.parameters()).backward()
         policy.optimizer.step()
@@ -97,14 +96,12 @@ def _rank(rank: int, rendezvous: str, folder: str, sizes: dict[str, int], repeat
             out.mkdir(exist_ok=True)
             torch.distributed.barrier()
             started = time.perf_counter()
-            state = rank_checkpoint(policy, world_size=WORLD, layout=_layout_record(kwargs))
+            state = rank_checkpoint(policy, world_size=WORLD, layout=record)
             save_rank_state(checkpoint_file(out, rank), state)
             saves.append(_slowest(time.perf_counter() - started))
             torch.distributed.barrier()
             started = time.perf_counter()
-            same = restore_rank(
-                out, policy, rank=rank, world_size=WORLD, layout=_layout_record(kwargs)
-            )
+            same = restore_rank(out, policy, rank=rank, world_size=WORLD, layout=record)
             loads.append(_slowest(time.perf_counter() - started))
             assert same is None
         report["save"][name] = statistics.median(saves)
@@ -112,14 +109,13 @@ def _rank(rank: int, rendezvous: str, folder: str, sizes: dict[str, int], repeat
         report["bytes"][name] = checkpoint_file(out, rank).stat().st_size
     for src, dst in PAIRS:
         policy = worker(dst)
+        record = _record(policy)
         times = []
         for attempt in range(repeats):
             source = root / f"{src}-{attempt}".replace(" ", "_").replace("=", "")
             torch.distributed.barrier()
             started = time.perf_counter()
-            done = restore_rank(
-                source, policy, rank=rank, world_size=WORLD, layout=_layout_record(LAYOUTS[dst])
-            )
+            done = restore_rank(source, policy, rank=rank, world_size=WORLD, layout=record)
             times.append(_slowest(time.perf_counter() - started))
             assert done is not None and done.moments == done.parameters
         report["reshard"][f"{src} -> {dst}"] = statistics.median(times)

@@ -15,7 +15,7 @@ rank files with torch.load(weights_only=True) and refuses format-1 files.
 Format-1 rank files (no rank_format_version) hold numpy's RNG state as pickled numpy
 objects; the conversion re-encodes it and Python's RNG state as plain data and keeps
 the model, optimizer and torch RNG states, the world size and the layout as they are
-(skyrl_train/runs/rank_state.py). Rank files already in format 2 are copied
+(skyrl_train/runs/rank_file.py). Rank files already in format 2 are copied
 without unpickling; other files (driver.json) are copied byte for byte.
 
 Output: a new committed checkpoint folder DIR/step_NNNNNN (the input's step) with its
@@ -47,14 +47,14 @@ from skyrl_train.runs.checkpoint import (  # noqa: E402
     commit_save,
     verify_checkpoint,
 )
-from skyrl_train.runs.rank_state import (  # noqa: E402
+from skyrl_train.runs.rank_file import (  # noqa: E402
     RngState,
     checkpoint_file,
-    load_rank_state,
     read_plain,
     save_rank_state,
     upgrade_state,
 )
+from skyrl_train.runs.resume import load_rank_state  # noqa: E402
 from skyrl_train.utils.durable import write_file  # noqa: E402
 
 KEY = "--checkpoint"

@@ -21,9 +21,9 @@ with the standard library only, so a launch refuses a damaged ``trainer.resume_f
 in seconds, before Ray starts; every refusal is one ``CheckpointError`` naming the
 file, what was expected and what was found.
 
-Kept whole: the save protocol and its verification are one contract (the manifest a save
-writes last is exactly what verify_checkpoint and the resume checks read), and crash
-safety is reviewed by reading both sides together.
+The manifest a save writes last is exactly what verify_checkpoint reads. What the rank
+files inside mean is the tower above this module, which imports none of it:
+``rank_file``, ``reshard`` and ``resume`` (docs/design.md, "A rank's checkpoint").
 """
 
 from __future__ import annotations
@@ -36,13 +36,10 @@ import secrets
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from skyrl_train.errors import CheckpointError, ConfigValidationError
+from skyrl_train.errors import CheckpointError
 from skyrl_train.utils.durable import fsync_dir, rename_into_place, temp_sibling, write_file
-
-if TYPE_CHECKING:
-    from skyrl_train.config.schema import PPOConfig
 
 FORMAT = "skyrl-r3-checkpoint"
 FORMAT_VERSION = 1
@@ -277,45 +274,6 @@ def verify_checkpoint(
         )
     world_size = _int_field(driver, "world_size", driver_path, key)
     return Checkpoint(folder=folder, step=step, world_size=world_size, files=records)
-
-
-def verify_resume(cfg: PPOConfig) -> Checkpoint | None:
-    """The launch-time check of ``trainer.resume_from`` (None when not resuming), a
-    checkpoint folder (``latest`` is resolved first: ``runs.folder``): the whole
-    folder against its manifest, and ``check_resumable``."""
-    if not cfg.trainer.resume_from:
-        return None
-    found = verify_checkpoint(cfg.trainer.resume_from)
-    check_resumable(
-        found, strategy=cfg.trainer.strategy, num_trainers=cfg.trainer.placement.num_trainers
-    )
-    return found
-
-
-def check_resumable(found: Checkpoint, *, strategy: str, num_trainers: int) -> None:
-    """Refuse resuming ``found`` under another ``trainer.strategy`` than the backend
-    that wrote it (``runs/backend.py``), or at another ``trainer.placement.num_trainers``
-    when its rank files cannot be resharded: written before they recorded their
-    placement (``runs/reshard.py``), each holds a shard only its own layout can place.
-    Rank 0's file is read once for both (mapped: its tensors are not read)."""
-    # Imported here: verifying a folder needs only the standard library.
-    from skyrl_train.runs.backend import check_strategy
-    from skyrl_train.runs.reshard import SavedLayout, saved_layout
-
-    saved: SavedLayout | None
-    try:
-        saved = saved_layout(found.folder)
-    except CheckpointError:
-        saved = None  # the rank that reads the file names what is wrong with it
-    if saved is not None:
-        check_strategy(found.folder, saved.strategy, strategy=strategy)
-    if found.world_size != num_trainers and not (saved is not None and saved.reshardable):
-        raise ConfigValidationError(
-            "trainer.placement.num_trainers",
-            expected=f"the world size {found.world_size} that {str(found.folder)!r} was "
-            f"saved at ({DRIVER_FILE}): its rank files predate resharding",
-            got=str(num_trainers),
-        )
 
 
 def newest_checkpoint(

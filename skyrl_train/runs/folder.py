@@ -44,13 +44,12 @@ from skyrl_train.runs.checkpoint import (
     RESUME_KEY,
     STEP_DIR,
     Checkpoint,
-    check_resumable,
     list_checkpoints,
     newest_checkpoint,
     verify_checkpoint,
-    verify_resume,
 )
 from skyrl_train.runs.export import EXPORTS_DIR, export_root, list_exports, read_marker
+from skyrl_train.runs.resume import check_resumable, verify_resume
 
 if TYPE_CHECKING:
     from skyrl_train.config.schema import PPOConfig, TrainerConfig

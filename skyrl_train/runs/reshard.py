@@ -1,5 +1,6 @@
-"""Resuming a checkpoint under another layout: Megatron's TP, PP, VPP, EP, ETP or DP size, or
-another number of FSDP ranks.
+"""Resharding, the algorithm alone: restoring a rank from a checkpoint written under
+another layout (Megatron's TP, PP, VPP, EP, ETP or DP size, or another number of FSDP
+ranks). Whether a resume reshards at all is ``runs/resume.py``'s decision.
 
 Each rank file records where every one of its parameters sits in the whole model
 (``placement``, written by the backend: ``workers/megatron/placement.py``,
@@ -14,13 +15,14 @@ AdamW's ``exp_avg`` and ``exp_avg_sq`` have their parameter's shape and are resh
 the same way; its ``step`` and hyperparameters are copied.
 
 The worker is reached only through its checkpoint pair (``Checkpointable``): what it
-saves, and a state of the same form to load. A resume under another backend than
-the one that wrote the checkpoint is refused first (``runs/backend.py``).
+saves, and a state of the same form to load (``runs/rank_contract.py``). A resume
+under another backend than the one that wrote the checkpoint is refused first
+(``runs/resume.py``).
 
 Why not megatron-core's ``dist_checkpointing``: its torch_dist backend reads the
 checkpoint's ``.metadata`` with ``pickle.load`` (torch.distributed.checkpoint's
 FileSystemReader), which runs whatever code the file names: the thing
-``runs/rank_state.py`` refuses (docs/parallel-layouts.md, "Resharding").
+``runs/rank_file.py`` refuses (docs/parallel-layouts.md, "Resharding").
 
 RNG states cannot map rank to rank across world sizes: rank r restores old rank r's
 torch, numpy and Python states when the old layout had a rank r, and keeps the state
@@ -34,89 +36,25 @@ import copy
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
 from skyrl_train.errors import CheckpointError
-from skyrl_train.runs.backend import STRATEGY_KEY, UNNAMED_STRATEGY, StateMismatch, check_strategy
 from skyrl_train.runs.checkpoint import RESUME_KEY
-from skyrl_train.runs.rank_state import RngState, checkpoint_file, read_rank_file, saved_value
+from skyrl_train.runs.rank_contract import (
+    PLACEMENT_FIELDS,
+    PLACEMENT_KEY,
+    STRATEGY_KEY,
+    UNNAMED_STRATEGY,
+    Checkpointable,
+    Placement,
+    StateMismatch,
+)
+from skyrl_train.runs.rank_file import RngState, checkpoint_file, read_rank_file
 from skyrl_train.utils.shards import cut_shard, join_shards
 
-PLACEMENT_KEY = "placement"
-"""A rank file's record of where its parameters sit (``Checkpointable.checkpoint_state``)."""
 _MOMENTS = ("exp_avg", "exp_avg_sq")
-_FIELDS = ("key", "dim", "tp_rank", "tp_size", "gated")
-
-
-@dataclass(frozen=True)
-class Placement:
-    """Where one local parameter sits in the whole model."""
-
-    key: str
-    """Layout-free: ``decoder.layers.<global layer>.mlp.experts.local_experts.<global
-    expert>.linear_fc1.weight``, ``embedding.word_embeddings.weight``, ..."""
-    dim: int
-    """The tensor-parallel partition dim (0 when the parameter is whole; FSDP's: 0)."""
-    tp_rank: int
-    tp_size: int
-    """Under FSDP, the rank's shard index and the shard count (``utils/shards.py``)."""
-    gated: bool
-    """A gated ``linear_fc1``: ``[gate_r; up_r]`` (``tensor_parallel.is_gated``)."""
-
-
-class Checkpointable(Protocol):
-    """A trainer rank's checkpoint pair, the only way this module reaches a worker
-    (``workers.base.PolicyWorker`` includes it)."""
-
-    def checkpoint_state(self) -> dict[str, Any]:
-        """This rank's state as plain data (tensors, numbers, strings, lists, dicts):
-        ``"model"``, the model's state dict (every parameter under its
-        ``named_parameters`` name); ``"optimizer"``, the optimizer's (AdamW's, its state
-        indexed in parameter order); and ``PLACEMENT_KEY``, one record per parameter in
-        that same order (``Placement`` fields and ``"name"``); optionally
-        ``STRATEGY_KEY``, the backend's name."""
-        ...
-
-    def load_checkpoint_state(self, state: Mapping[str, Any]) -> None:
-        """Load ``"model"`` and ``"optimizer"`` of a ``checkpoint_state`` of this layout
-        (its placement is not read); may raise ``StateMismatch``, before changing
-        anything, for an entry that does not fit."""
-        ...
-
-
-@dataclass(frozen=True)
-class SavedLayout:
-    """What rank 0's file says about the layout that wrote the checkpoint."""
-
-    world_size: int | None
-    layout: dict[str, Any]
-    reshardable: bool
-    """Its rank files record their placement (written since resharding was added)."""
-    strategy: str = UNNAMED_STRATEGY
-    """The backend that wrote it (``trainer.strategy``)."""
-
-
-def saved_layout(folder: Path) -> SavedLayout:
-    """The world size and layout rank 0's file of ``folder`` was written under (its
-    tensors are mapped, not read)."""
-    state = read_rank_file(folder, 0, mmap=True)
-    layout = state.get("layout")
-    return SavedLayout(
-        world_size=state.get("world_size"),
-        layout=dict(layout) if isinstance(layout, dict) else {},
-        reshardable=isinstance(state.get(PLACEMENT_KEY), list),
-        strategy=str(state.get(STRATEGY_KEY, UNNAMED_STRATEGY)),
-    )
-
-
-def same_layout(saved: SavedLayout, *, world_size: int, layout: Mapping[str, Any]) -> bool:
-    """Whether a rank of this run (``world_size`` ranks, ``layout``) resumes its own
-    rank file as it is; a key the file predates reads as ``rank_state.saved_value`` says."""
-    if saved.world_size != world_size:
-        return False
-    return all(saved_value(saved.layout, name) == value for name, value in layout.items())
 
 
 @dataclass(frozen=True)
@@ -146,7 +84,7 @@ def load_resharded(
     current = worker.checkpoint_state()
     own = current["model"]
     mine = {
-        entry["name"]: Placement(**{f: entry[f] for f in _FIELDS})
+        entry["name"]: Placement(**{f: entry[f] for f in PLACEMENT_FIELDS})
         for entry in current[PLACEMENT_KEY]
     }
     if not mine.keys() <= own.keys():
@@ -185,7 +123,7 @@ def load_resharded(
     # not a new dict: a state dict's ``_metadata`` (module versions) goes with it.
     model = copy.copy(own)
     model.update(weights)
-    _load(
+    load_checked(
         worker,
         {
             "model": model,
@@ -244,12 +182,12 @@ def _index(folder: Path, states: list[dict[str, Any]]) -> dict[str, list[_Piece]
 def _placement(path: Path, index: int, entry: Any) -> tuple[str, Placement]:
     """One placement record's parameter name and placement."""
     try:
-        return entry["name"], Placement(**{f: entry[f] for f in _FIELDS})
+        return entry["name"], Placement(**{f: entry[f] for f in PLACEMENT_FIELDS})
     except (KeyError, TypeError) as exc:
         raise CheckpointError(
             RESUME_KEY,
             path,
-            expected=f"{PLACEMENT_KEY}[{index}]: a dict of name, {', '.join(_FIELDS)}",
+            expected=f"{PLACEMENT_KEY}[{index}]: a dict of name, {', '.join(PLACEMENT_FIELDS)}",
             got=f"{type(exc).__name__}: {exc}",
         ) from None
 
@@ -319,65 +257,7 @@ def _cut(
     return cut.clone()
 
 
-# ------------------------------------------------------------ a trainer rank's file
-
-
-def rank_checkpoint(
-    worker: Checkpointable, *, world_size: int, layout: dict[str, Any]
-) -> dict[str, Any]:
-    """What a trainer rank saves (``rank_state.save_rank_state`` writes it): its
-    ``checkpoint_state`` (model, AdamW state and ``placement``), RNG states and the
-    layout it ran under."""
-    from skyrl_train.runs.rank_state import rng_state
-
-    return {
-        "world_size": world_size,
-        "layout": layout,
-        **worker.checkpoint_state(),
-        "rng": rng_state(),
-    }
-
-
-def restore_rank(
-    folder: Path,
-    worker: Checkpointable,
-    *,
-    rank: int,
-    world_size: int,
-    layout: dict[str, Any],
-    strategy: str | None = None,
-) -> Resharded | None:
-    """Restore a trainer rank from ``folder``: its own rank file when the checkpoint
-    was written under this layout (None returned), else resharded (``load_resharded``).
-
-    A checkpoint without placement records (written before resharding) goes the
-    same-layout way, whose checks refuse another layout naming the config key. Given
-    this run's ``strategy``, a checkpoint another backend wrote is refused first.
-    """
-    from skyrl_train.runs.rank_state import load_rank_state
-
-    try:
-        saved: SavedLayout | None = saved_layout(folder)
-    except CheckpointError:
-        saved = None  # load_rank_state names what is wrong with the file
-    if saved is not None and strategy is not None:
-        check_strategy(folder, saved.strategy, strategy=strategy)
-    if (
-        saved is not None
-        and saved.reshardable
-        and not same_layout(saved, world_size=world_size, layout=layout)
-    ):
-        assert saved.world_size is not None
-        return load_resharded(folder, worker, rank=rank, saved_world_size=saved.world_size)
-    state = load_rank_state(folder, rank=rank, world_size=world_size, layout=layout)
-    # Checked before anything is restored: a bad RNG field leaves the model as it was.
-    rng = RngState.read(state, checkpoint_file(folder, rank))
-    _load(worker, state, checkpoint_file(folder, rank))
-    rng.restore()
-    return None
-
-
-def _load(worker: Checkpointable, state: Mapping[str, Any], source: Path) -> None:
+def load_checked(worker: Checkpointable, state: Mapping[str, Any], source: Path) -> None:
     """``worker.load_checkpoint_state(state)``, a ``StateMismatch`` named after ``source``."""
     try:
         worker.load_checkpoint_state(state)

@@ -1,5 +1,5 @@
 """The FSDP backend's checkpoint pair: one rank's shards of the model and of AdamW as
-plain data, its placement records, and the way back (``runs.reshard.Checkpointable``).
+plain data, its placement records, and the way back (``runs.rank_contract.Checkpointable``).
 
 The issue asks to save and resume "with torch.distributed.checkpoint". Its
 ``state_dict`` API is what takes and restores the sharded state here
@@ -8,12 +8,12 @@ The issue asks to save and resume "with torch.distributed.checkpoint". Its
 the model's own parameter names. Its on-disk format is not used: DCP's
 ``FileSystemReader`` reads a checkpoint's ``.metadata`` with ``pickle.load``, which runs
 whatever code the file names, and a checkpoint folder is something anyone can hand over
-(``runs/rank_state.py``; docs/checkpoints.md). The shards go into the project's own rank
+(``runs/rank_file.py``; docs/checkpoints.md). The shards go into the project's own rank
 files instead (``policy_rank<r>.pt``, plain data read with ``torch.load(weights_only=True)``,
 listed in the folder's manifest, committed atomically, ``latest``), with the
-guarantees Megatron's checkpoints have, RNG states included (``runs.reshard.rank_checkpoint``).
+guarantees Megatron's checkpoints have, RNG states included (``runs.resume.rank_checkpoint``).
 
-A rank's state, as Megatron's worker writes it (``runs.reshard.Checkpointable``):
+A rank's state, as Megatron's worker writes it (``runs.rank_contract.Checkpointable``):
 
 - ``"model"``: every parameter and persistent buffer under its ``named_parameters`` /
   ``named_buffers`` name, the rank's local shard (``DTensor.to_local``) as a plain tensor;
@@ -25,8 +25,12 @@ A rank's state, as Megatron's worker writes it (``runs.reshard.Checkpointable``)
   count. FSDP2 cuts dim 0 with ``torch.chunk``, the last shards shorter or empty
   (``utils/shards.py`` cuts the same way), so ``runs/reshard.py`` resumes a checkpoint
   under another number of FSDP ranks;
-- ``"strategy"``: ``"fsdp"`` (``runs/backend.py``): a Megatron run refuses it and an
+- ``"strategy"``: ``"fsdp"`` (``runs/resume.py``): a Megatron run refuses it and an
   FSDP run refuses Megatron's.
+
+The layout an FSDP rank reports (``parallel_layout``) has no tensor, pipeline or expert
+split: each size 1, data-parallel over the world, the record every FSDP rank file has
+carried.
 
 Loading checks every entry against the live model (names, shapes, dtypes) before
 anything changes; a mismatch is a ``StateMismatch`` that the resume names after the
@@ -49,14 +53,27 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor, Shard
 
-from skyrl_train.runs.backend import STRATEGY_KEY, UNNAMED_STRATEGY, StateMismatch
-from skyrl_train.runs.reshard import PLACEMENT_KEY, Placement
+from skyrl_train.runs.rank_contract import (
+    PLACEMENT_KEY,
+    STRATEGY_KEY,
+    UNNAMED_STRATEGY,
+    ParallelLayout,
+    Placement,
+    StateMismatch,
+)
 
 STRATEGY = "fsdp"
 """``trainer.strategy`` of this backend, recorded in its rank files."""
 _MOMENTS = ("exp_avg", "exp_avg_sq")
 _OPTIONS = StateDictOptions(full_state_dict=False, strict=True)
 """Sharded (DTensor) state dicts, every key required on load."""
+
+
+def parallel_layout(world: int) -> ParallelLayout:
+    """The layout an FSDP rank of ``world`` ranks reports (``RankInfo.layout``)."""
+    return ParallelLayout(
+        backend=STRATEGY, world=world, tp=1, pp=1, vpp=None, ep=1, etp=1, dp=world
+    )
 
 
 def checkpoint_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:

@@ -1,6 +1,7 @@
 """Where each of a Megatron rank's parameters sits in the whole model: the placement
 records a rank file carries so another layout can resume it (``runs/reshard.py``,
-docs/parallel-layouts.md "Resharding").
+docs/parallel-layouts.md "Resharding"), and the layout a rank reports
+(``parallel_layout``).
 
 A parameter's layout-free key is its Megatron name with the global layer number and
 the global expert index and no virtual-stage prefix; a tensor-parallel shard adds its
@@ -17,13 +18,21 @@ from __future__ import annotations
 import dataclasses
 import re
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from skyrl_train.runs.backend import STRATEGY_KEY, UNNAMED_STRATEGY, StateMismatch
-from skyrl_train.runs.reshard import Placement
+from skyrl_train.runs.rank_contract import (
+    STRATEGY_KEY,
+    UNNAMED_STRATEGY,
+    ParallelLayout,
+    Placement,
+    StateMismatch,
+)
 from skyrl_train.workers.megatron.tensor_parallel import is_gated, tensor_parallel_of
+
+if TYPE_CHECKING:
+    from skyrl_train.config.schema import MegatronConfig
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.+)$")
@@ -60,6 +69,23 @@ def placements(chunks: Sequence[Any]) -> dict[str, Placement]:
                 gated=is_gated(name),
             )
     return found
+
+
+def parallel_layout(mc: MegatronConfig, *, world: int) -> ParallelLayout:
+    """The layout a Megatron rank of ``world`` ranks reports (``RankInfo.layout``) and its
+    rank files record: ``trainer.policy.megatron_config``'s sizes, ETP resolved (null
+    is TP, megatron-core's rule)."""
+    tp, pp = mc.tensor_model_parallel_size, mc.pipeline_model_parallel_size
+    return ParallelLayout(
+        backend=UNNAMED_STRATEGY,
+        world=world,
+        tp=tp,
+        pp=pp,
+        vpp=mc.virtual_pipeline_model_parallel_size,
+        ep=mc.expert_model_parallel_size,
+        etp=mc.expert_tensor_parallel_size or tp,
+        dp=world // (tp * pp * mc.context_parallel_size),
+    )
 
 
 def placement_record(chunks: Sequence[Any]) -> list[dict[str, Any]]:

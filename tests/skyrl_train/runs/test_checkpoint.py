@@ -28,10 +28,10 @@ from skyrl_train.runs.checkpoint import (
     prune_checkpoints,
     remove_stale_saves,
     verify_checkpoint,
-    verify_resume,
 )
+from skyrl_train.runs.rank_file import checkpoint_file, save_rank_state
+from skyrl_train.runs.resume import load_rank_state, verify_resume
 from skyrl_train.trainer.loop import GRPOLoop
-from skyrl_train.runs.rank_state import checkpoint_file, load_rank_state, save_rank_state
 from skyrl_train.utils.durable import write_file
 
 REPO = Path(__file__).resolve().parents[3]

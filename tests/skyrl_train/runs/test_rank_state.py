@@ -24,21 +24,21 @@ from skyrl_train.config.compose import load_config
 from skyrl_train.config.schema import OptimizerConfig
 from skyrl_train.errors import CheckpointError
 from skyrl_train.runs.checkpoint import DRIVER_FILE, begin_save, commit_save, verify_checkpoint
-from skyrl_train.runs.rank_state import (
+from skyrl_train.runs.rank_file import (
     CONVERT_SCRIPT,
     RANK_FORMAT_KEY,
     RANK_FORMAT_VERSION,
     SAVE_KEY,
     RngState,
     checkpoint_file,
-    load_rank_state,
     rng_state,
     save_rank_state,
 )
-from skyrl_train.runs.reshard import SavedLayout, same_layout, saved_layout
+from skyrl_train.runs.resume import SavedLayout, load_rank_state, same_layout, saved_layout
 from skyrl_train.trainer.policy import PolicyTrainer
 from skyrl_train.utils.durable import write_file
 from skyrl_train.workers.megatron import MegatronPolicyWorker
+from skyrl_train.workers.megatron.placement import parallel_layout
 from tests.skyrl_train.runs._state_checks import assert_same_optimizer_state
 
 REPO = Path(__file__).resolve().parents[3]
@@ -190,6 +190,7 @@ def _trainer(tmp_path: Path) -> PolicyTrainer:
         cfg.trainer.policy.megatron_config,
         optimizer=OptimizerConfig(lr=1e-2),
     ).setup()
+    trainer.info = trainer.worker.rank_info()
     return trainer
 
 
@@ -468,13 +469,13 @@ def test_the_layout_records_etp_and_a_file_without_it_reads_as_etp_equal_to_its_
 ) -> None:
     # Expert weights are cut by ETP: a resume at another ETP that took its own file
     # loaded shards of another shape (issue 49), so ETP decides resharding like TP.
+    # The record a Megatron rank reports (RankInfo.layout) and the trainer writes.
     cfg = load_config([f"trainer.run_dir={tmp_path}"])
     mc = cfg.trainer.policy.megatron_config
-    trainer = PolicyTrainer(cfg, checkpoint=str(tmp_path), pad_token_id=0)
     mc.tensor_model_parallel_size, mc.expert_model_parallel_size = 2, 2
-    assert trainer._layout()["expert_tensor_parallel_size"] == 2  # null: TP
+    assert parallel_layout(mc, world=4).record()["expert_tensor_parallel_size"] == 2  # null: TP
     mc.expert_tensor_parallel_size = 1
-    now = trainer._layout()
+    now = parallel_layout(mc, world=4).record()
     assert now["expert_tensor_parallel_size"] == 1
 
     old = {k: v for k, v in now.items() if k != "expert_tensor_parallel_size"}

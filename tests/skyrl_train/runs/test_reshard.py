@@ -23,9 +23,10 @@ from inference.models.tiny_moe import TinyMoEConfig
 from skyrl_train.config.compose import load_config
 from skyrl_train.config.schema import OptimizerConfig
 from skyrl_train.errors import CheckpointError, ConfigValidationError
-from skyrl_train.runs.checkpoint import DRIVER_FILE, begin_save, commit_save, verify_resume
-from skyrl_train.runs.rank_state import checkpoint_file, read_plain, save_rank_state
-from skyrl_train.runs.reshard import PLACEMENT_KEY, restore_rank, saved_layout
+from skyrl_train.runs.checkpoint import DRIVER_FILE, begin_save, commit_save
+from skyrl_train.runs.rank_contract import PLACEMENT_KEY, ParallelLayout
+from skyrl_train.runs.rank_file import checkpoint_file, read_plain, save_rank_state
+from skyrl_train.runs.resume import restore_rank, saved_layout, verify_resume
 from skyrl_train.trainer.policy import PolicyTrainer
 from skyrl_train.utils.durable import write_file
 from skyrl_train.workers.megatron import MegatronPolicyWorker
@@ -40,6 +41,7 @@ def _trainer(tmp_path: Path) -> PolicyTrainer:
         cfg.trainer.policy.megatron_config,
         optimizer=OptimizerConfig(lr=1e-2),
     ).setup()
+    trainer.info = trainer.worker.rank_info()
     return trainer
 
 
@@ -100,6 +102,25 @@ def _assert_same_state(trained: PolicyTrainer, fresh: PolicyTrainer) -> None:
     assert want.keys() == got.keys()
     assert all(torch.equal(want[n], got[n]) for n in want)
     assert_same_optimizer_state(trained, fresh)
+
+
+def test_the_megatron_worker_reports_its_layout(
+    trainers: tuple[PolicyTrainer, PolicyTrainer],
+) -> None:
+    # What the trainer records in each rank file (RankInfo.layout), under the key names
+    # Megatron's files have always had.
+    trained, _fresh = trainers
+    layout = trained.worker.rank_info().layout
+    assert layout == ParallelLayout(
+        backend="megatron", world=1, tp=1, pp=1, vpp=None, ep=1, etp=1, dp=1
+    )
+    assert trained._layout() == {
+        "pipeline_model_parallel_size": 1,
+        "virtual_pipeline_model_parallel_size": None,
+        "expert_model_parallel_size": 1,
+        "tensor_model_parallel_size": 1,
+        "expert_tensor_parallel_size": 1,
+    }
 
 
 def test_two_data_parallel_ranks_resume_on_one(

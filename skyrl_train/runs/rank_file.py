@@ -16,6 +16,9 @@ Rank-file formats, told apart by ``RANK_FORMAT_KEY`` in the dict:
 - 2: plain data; the numpy and Python RNG states as a tensor and ints (``rng_state``).
   Files written since resharding also list where each parameter sits (``placement``,
   ``runs/reshard.py``) and resume under any layout; earlier ones under their own only.
+
+What a rank file means for a resume (its layout, its backend) is ``runs/resume.py``'s;
+this module knows only the file.
 """
 
 from __future__ import annotations
@@ -27,17 +30,14 @@ from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import Any, NoReturn
 
 import numpy as np
 import torch
 
-from skyrl_train.errors import CheckpointError, ConfigValidationError
+from skyrl_train.errors import CheckpointError
 from skyrl_train.runs.checkpoint import RESUME_KEY
 from skyrl_train.utils.durable import write_file
-
-if TYPE_CHECKING:
-    from skyrl_train.config.schema import MegatronConfig
 
 RANK_FORMAT_KEY = "rank_format_version"
 RANK_FORMAT_VERSION = 2
@@ -143,66 +143,6 @@ def read_rank_file(folder: Path, rank: int, *, mmap: bool = False) -> dict[str, 
             got=f"{RANK_FORMAT_KEY} {version!r}",
         )
     return state
-
-
-def load_rank_state(
-    folder: Path, *, rank: int, world_size: int, layout: dict[str, int | None] | None = None
-) -> dict[str, Any]:
-    """Rank ``rank``'s saved state, read with ``torch.load(weights_only=True)``.
-
-    Refuses (``CheckpointError`` naming the file) a file holding pickled objects,
-    which loading would run, telling a format-1 file (numpy objects) apart so the
-    message names the conversion script; a file of another format version; a
-    checkpoint taken at another world size (its expert shards and data order would
-    not line up with this run's ranks) or, given this run's ``layout``
-    (``trainer.policy.megatron_config`` sizes), another pipeline or expert layout.
-    """
-    state = read_rank_file(folder, rank)
-    saved = state.get("world_size")
-    if saved != world_size:
-        raise ConfigValidationError(
-            "trainer.placement.num_trainers",
-            expected=f"the checkpoint's world size {saved} to resume {str(folder)!r}",
-            got=str(world_size),
-        )
-    # Files written before layouts were recorded carry none; world size is their check.
-    saved_layout = state.get("layout") or layout or {}
-    for name, value in (layout or {}).items():
-        if (had := saved_value(saved_layout, name)) != value:
-            raise ConfigValidationError(
-                f"trainer.policy.megatron_config.{name}",
-                expected=f"the checkpoint's {had!r} to resume {str(folder)!r}",
-                got=repr(value),
-            )
-    return state
-
-
-ETP_KEY = "expert_tensor_parallel_size"
-
-
-def layout_record(mc: MegatronConfig) -> dict[str, int | None]:
-    """The layout a rank file records (``trainer.policy.megatron_config``'s sizes): what
-    a resume compares to decide between its own file and resharding (``runs/reshard.py``).
-    ETP is resolved (null is TP, megatron-core's rule): expert weights are cut by it, so
-    a resume at another ETP that read its own file would load shards of another shape."""
-    return {
-        "pipeline_model_parallel_size": mc.pipeline_model_parallel_size,
-        "virtual_pipeline_model_parallel_size": mc.virtual_pipeline_model_parallel_size,
-        "expert_model_parallel_size": mc.expert_model_parallel_size,
-        "tensor_model_parallel_size": mc.tensor_model_parallel_size,
-        ETP_KEY: mc.expert_tensor_parallel_size or mc.tensor_model_parallel_size,
-    }
-
-
-def saved_value(saved: Mapping[str, Any], name: str) -> Any:
-    """Layout key ``name`` of a rank file's recorded layout ``saved``. A key the file
-    predates has the value every run had then: TP 1 (only TP=1 ran before it was
-    recorded), and ETP the file's TP (null, which megatron-core reads as TP)."""
-    if name in saved:
-        return saved[name]
-    if name == ETP_KEY:
-        return saved_value(saved, "tensor_model_parallel_size")
-    return 1 if name == "tensor_model_parallel_size" else None
 
 
 def read_plain(path: Path, *, map_location: str | None = None, mmap: bool = False) -> Any:
