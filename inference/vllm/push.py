@@ -21,7 +21,7 @@ A failure anywhere in a push ends it here, best effort, before the error is rais
 server paused or its session open. "May": each flag is set before its request is sent,
 not after its reply, because a request whose reply was lost may still have acted. A
 ``/start_weight_update`` that reached the server but whose reply did not left a session
-open, and vLLM refuses every later start while one is (``test_vllm_client.py``: a
+open, and vLLM refuses every later start while one is (``test_vllm_client_push.py``: a
 dropped start reply, then a push that works). Finishing lets vLLM's layerwise reload
 put back what was not loaded; the label stays the old version. A cleanup finish that
 fails (refused because no session was open after all, or lost) leaves the flag set,

@@ -1,23 +1,27 @@
-"""Launch rules for the Megatron trainer backend (``trainer.policy.megatron_config``):
+"""Launch rules for the Megatron trainer backend (``trainer.policy.megatron_config``),
+run by ``validate.py`` only with ``trainer.strategy=megatron``; ``check_megatron`` runs
+them in this order:
 
 - the layout arithmetic: the world size against the tensor, pipeline, context and expert
-  sizes, and each size dividing what it splits (experts, heads, layers, MLP widths; the
-  vocabulary is padded instead, ``make_vocab_size_divisible_by``);
+  (times expert-tensor) sizes, and each size dividing what it splits (experts, heads,
+  layers, virtual stages); the vocabulary is padded instead
+  (``make_vocab_size_divisible_by``);
 - the settings the worker cannot honour (``refuse_replay_incompatible``, whose table is
-  in ``megatron_unsupported.py``), checked after that arithmetic;
-- the tensor-parallel and pipeline layouts no launch test runs (``TESTED_*``,
-  docs/parallel-layouts.md);
-- ``transformer_config_kwargs`` keys the pipeline sets itself or megatron-core lacks;
-- ``data_parallel_size``, the data-parallel ranks a Megatron layout leaves (what
-  ``strategy.data_parallel_size`` answers for this backend).
+  in ``megatron_unsupported.py``), with the run's replay mode as the worker gets it;
+- at TP > 1, what the worker would refuse only after Ray started (MLP widths the tensor
+  or expert-tensor size must divide, a q/k norm over the whole projection, sequence
+  parallelism off), then the tensor-parallel layouts no launch test runs
+  (``TESTED_TENSOR_PARALLEL``, ``TESTED_EXPERT_TENSOR_SIZES``); at PP > 1 the untested
+  pipeline layouts (docs/parallel-layouts.md);
+- ``transformer_config_kwargs`` keys that the node or the checkpoint's architecture owns,
+  or that megatron-core's ``TransformerConfig`` lacks.
 
-The replay mode is backend-neutral (``routing_replay.py``, whose
-``check_routing_replay`` stays importable from here); these rules run only with
-``trainer.strategy=megatron`` (``validate.py``).
-
-The split is by backend: these rules read ``MegatronConfig``, so a second trainer backend
-(FSDP) gets its own rules file beside this one, while ``validate.py`` (the launch rules
-and their order) and ``engine_rules.py`` hold whichever backend trains.
+``data_parallel_size`` is the data-parallel ranks a Megatron layout leaves (what
+``strategy.data_parallel_size`` answers for this backend). The replay mode is
+backend-neutral (``routing_replay.py``; ``check_routing_replay`` stays importable from
+here). The FSDP backend has no rules file: ``strategy.py`` refuses the other backend's
+keys and answers its data-parallel size, and ``validate.py`` and ``engine_rules.py``
+hold the rules for whichever backend trains.
 """
 
 from __future__ import annotations

@@ -57,6 +57,12 @@ class TrainingBatch:
     ref_logprobs: torch.Tensor | None = None
     """[B, R] float32 logprobs of the reference policy (the run's initial weights); set
     by the trainer when a KL loss needs them."""
+    trajectory_rows: torch.Tensor | None = None
+    """[B] int64, each row's trajectory as its index in the step's collated batch
+    (``convert_to_training_batch``'s order, the index its ``CollationError`` names).
+    A row tensor so the driver's data-parallel reorder and every slice carry it: a
+    worker's route refusal then names the trajectory, not its row in one rank's shard
+    (``trajectory_ids``). None for a batch built by hand."""
 
     @property
     def batch_size(self) -> int:
@@ -65,6 +71,15 @@ class TrainingBatch:
     @property
     def num_actions(self) -> int:
         return int(self.response_mask.shape[1])
+
+
+def trajectory_ids(batch: TrainingBatch) -> list[str] | None:
+    """The names a worker's errors give ``batch``'s rows (``PolicyWorker``'s
+    ``trajectory_ids``): ``#i`` for the step's trajectory ``i``; None without
+    ``trajectory_rows``."""
+    if batch.trajectory_rows is None:
+        return None
+    return [f"#{row}" for row in batch.trajectory_rows.tolist()]
 
 
 def training_loss_mask(batch: TrainingBatch) -> torch.Tensor:

@@ -251,4 +251,5 @@ def convert_to_training_batch(
         if collated is None
         else torch.from_numpy(collated.router_padding_mask),
         sample_support=support,
+        trajectory_rows=torch.arange(len(trajectories)),
     )

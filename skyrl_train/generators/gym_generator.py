@@ -20,12 +20,12 @@ import numpy as np
 import skyrl_gym
 from inference.errors import GenerateProtocolError
 from skyrl_train.config.constraints import check_constraints
+from skyrl_train.config.engine_rules import check_sampling_params
 from skyrl_train.config.schema import (
     GeneratorConfig,
     SamplingParamsConfig,
     support_request_width,
 )
-from skyrl_train.config.validate import check_sampling_params
 from skyrl_train.errors import ConfigValidationError, RouteTraceError
 from skyrl_train.generators.base import (
     EVALUATION_LOGPROBS_MODES,
