@@ -10,9 +10,11 @@ config built in Python), warns naming the new key and clears the alias, so every
 reader reads the node alone. Under ``trainer.strategy=fsdp`` an alias is a Megatron key
 and is left for ``strategy.check_strategy_keys`` to refuse.
 
-The Megatron worker itself still reads the two keys on its ``MegatronConfig``
-(``megatron_replay_enabled``): the factory hands it a copy with the run's node written
-into them (``megatron_worker_config``).
+Both workers take the mode as one ``routing_replay`` argument and never read an alias;
+the factory still hands the Megatron worker a copy of its node with the run's mode in
+the two keys (``megatron_worker_config``), so launch validation's Megatron rules read one
+value, and a Python-built node whose alias disagrees with the argument is refused
+(``refuse_conflicting_alias``).
 """
 
 from __future__ import annotations
@@ -90,6 +92,21 @@ def megatron_worker_config(mc: MegatronConfig, replay: RoutingReplayConfig) -> M
     return dataclasses.replace(
         mc, moe_enable_routing_replay=replay.enabled, routing_replay_source=replay.source
     )
+
+
+def refuse_conflicting_alias(mc: MegatronConfig, *, routing_replay: bool) -> None:
+    """Refuse a ``megatron_config`` node ``mc`` whose deprecated
+    ``moe_enable_routing_replay`` disagrees with the worker's ``routing_replay``: the
+    worker replays by the argument alone, and a launch resolves the alias away, so only
+    a node built in Python can hold one, which must not be silently overridden."""
+    alias = mc.moe_enable_routing_replay
+    if alias is not None and alias != routing_replay:
+        raise ConfigValidationError(
+            f"{MEGATRON_NODE}.moe_enable_routing_replay",
+            expected=f"unset, or equal to the worker's routing_replay ({shown(routing_replay)}, "
+            f"{NODE}.enabled), which it is the deprecated alias of",
+            got=shown(alias),
+        )
 
 
 def check_routing_replay(cfg: PPOConfig) -> None:

@@ -10,8 +10,10 @@ With several ranks each one runs this on its own shard of the batch
 (``policy_group.PolicyGroup`` fans the calls out and combines the metrics).
 
 Kept whole: which forward each metric and each log-prob comes from (replayed or native,
-before or during the update) is what a reviewer checks, and it reads in one order here;
-the loss, advantages, replay and rank files live in their own modules.
+before or during the update) is what a reviewer checks, and it reads in one order here,
+one method per pass; which pass replays or captures which routes is decided once per
+step (``replay_plan.ReplayPlan``), and the loss (``policy_loss.py``), advantages and
+rank files live in their own modules.
 """
 
 from __future__ import annotations
@@ -21,7 +23,6 @@ import logging
 import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -30,25 +31,30 @@ from skyrl_train.algorithms import (
     MetricSums,
     OffPolicyCorrection,
     entropy_coefficient,
-    gspo_policy_loss,
     kl_penalty,
     logprob_mismatch,
     mean_token_entropy,
-    ppo_policy_loss,
-    token_mean_entropy,
 )
 from skyrl_train.algorithms.token_mean import microbatch_denominator
 from skyrl_train.config.schema import PPOConfig
-from skyrl_train.dataset.batch import TrainingBatch, slice_batch, training_loss_mask
+from skyrl_train.dataset.batch import (
+    TrainingBatch,
+    slice_batch,
+    training_loss_mask,
+    trajectory_ids,
+)
 from skyrl_train.runs.export import WeightFiles, write_weights
-from skyrl_train.runs.rank_state import checkpoint_file, layout_record, save_rank_state
-from skyrl_train.runs.reshard import rank_checkpoint, restore_rank
+from skyrl_train.runs.rank_contract import ParallelLayout
+from skyrl_train.runs.rank_file import checkpoint_file, save_rank_state
+from skyrl_train.runs.resume import rank_checkpoint, restore_rank
 from skyrl_train.trainer.data_parallel import ROWS_KEY
 from skyrl_train.trainer.finite import require_finite, require_finite_weights
+from skyrl_train.trainer.policy_loss import policy_loss_fn
+from skyrl_train.trainer.replay_plan import ReplayPlan
 from skyrl_train.trainer.weight_sync import WeightSyncer
 from skyrl_train.utils.distributed import collective_device
 from skyrl_train.utils.ray_session import rendezvous_url
-from skyrl_train.workers.base import PolicyWorker, RankInfo
+from skyrl_train.workers.base import ForwardResult, PolicyWorker, RankInfo
 
 logger = logging.getLogger(__name__)
 
@@ -137,7 +143,8 @@ class PolicyTrainer:
         """Old logprobs, R3 metrics and PPO updates on this rank's shard.
 
         ``batch`` holds this rank's ``1/dp`` of every global mini-batch, in order
-        (``data_parallel.shard_mini_batches``), with ``advantages`` set by the driver.
+        (``data_parallel.shard_mini_batches``), with ``advantages`` set by the driver;
+        it is left as it came (the passes below work on a copy).
         ``step``: the GRPO step, for ``NonFiniteError``'s message.
         ``mini_batch_tokens``: loss-active tokens of each *global* mini-batch (None:
         this shard's own counts, which is the same thing on one rank).
@@ -150,39 +157,72 @@ class PolicyTrainer:
         Raises ``NonFiniteError`` on a NaN/inf loss, grad norm or parameter, so the
         driver never pushes such weights (``finite.py``).
         """
-        t, mode = self.cfg.trainer, self.cfg.trainer.policy.routing_replay
+        t = self.cfg.trainer
         if batch.advantages is None:
             raise ValueError("advantages: expected [B, R] advantages set on the batch, got None")
-        has_routes = batch.routed_experts is not None
-        # R2 records in the old-logprob forward (native routing) what R3 takes from the
-        # rollout; either way the updates below replay one fixed selection.
-        r2 = mode.enabled and mode.source == "old_policy"
-        replay = has_routes and mode.enabled and not r2
-        as_trained = self.worker.forward(
-            batch,
-            micro_batch_size=t.micro_forward_batch_size_per_gpu,
-            replay_routes=replay,
-            capture_routes=has_routes or r2,
-            entropy=True,
+        plan = ReplayPlan.decide(
+            t.policy.routing_replay, rollout_routes=batch.routed_experts is not None
         )
         metrics = MetricSums()
+        as_trained, entropy_sums = self._old_logprob_pass(batch, plan, metrics)
+        update_batch = plan.update_batch(
+            batch, old_logprobs=as_trained.logprobs, routes=as_trained.routes
+        )
+        ref_logprobs = self._reference_pass(update_batch, plan, as_trained.logprobs, metrics)
+        if t.algorithm.use_kl_loss:
+            update_batch.ref_logprobs = ref_logprobs
+        entropy_coef = self._entropy_coef(*entropy_sums)
+        if t.algorithm.use_entropy_loss:
+            metrics.mean("policy/entropy_coef", entropy_coef, 1.0)
+        metrics.merge(
+            self._update(
+                update_batch,
+                plan=plan,
+                mini_batch_tokens=mini_batch_tokens,
+                step=step,
+                entropy_coef=entropy_coef,
+            )
+        )
+        # Each rank checks its own parameters: together they cover every expert shard.
+        require_finite_weights(
+            self.worker.named_parameters(), step=step, where=f"rank {self.info.rank}"
+        )
+        metrics.total(ROWS_KEY, float(batch.batch_size))
+        return metrics
+
+    def _old_logprob_pass(
+        self, batch: TrainingBatch, plan: ReplayPlan, metrics: MetricSums
+    ) -> tuple[ForwardResult, tuple[float, float]]:
+        """The forward as the trainer will train (``plan.old_logprobs``), its metrics
+        into ``metrics``: the entropy, the router agreements (trained and native) and the
+        log-prob mismatches against the rollout. Returns the forward and this rank's
+        (entropy sum, tokens), (0, 0) on a rank without logprobs."""
+        micro = self.cfg.trainer.micro_forward_batch_size_per_gpu
+        as_trained = self.worker.forward(
+            batch,
+            micro_batch_size=micro,
+            replay_routes=plan.old_logprobs.replay,
+            capture_routes=plan.old_logprobs.capture,
+            entropy=True,
+            trajectory_ids=trajectory_ids(batch),
+        )
         own_tokens = float(batch.loss_mask.sum())
         metrics.total("policy/num_tokens", own_tokens)
-        # (sum, tokens) of this rank's entropy; (0, 0) on a rank without logprobs.
         entropy_sums = (0.0, 0.0)
         if as_trained.entropy is not None:
             # Over the policy's own tokens only (loss mask), not prompt or observations.
             entropy = mean_token_entropy(as_trained.entropy, batch.loss_mask)
             entropy_sums = (entropy * own_tokens, own_tokens)
             metrics.mean("policy/entropy", *entropy_sums)
-        if has_routes:
+        if plan.rollout_routes:
             native = as_trained
-            if replay:
+            if plan.native_forward:
                 native = self.worker.forward(
                     batch,
-                    micro_batch_size=t.micro_forward_batch_size_per_gpu,
+                    micro_batch_size=micro,
                     replay_routes=False,
                     capture_routes=True,
+                    trajectory_ids=trajectory_ids(batch),
                 )
             assert as_trained.routes is not None and native.routes is not None
             for name, routes in (("trained", as_trained.routes), ("native", native.routes)):
@@ -205,45 +245,33 @@ class PolicyTrainer:
                     as_trained.logprobs, batch.rollout_logprobs, batch.loss_mask
                 ).to_metrics("mismatch_trained")
             )
-        batch.old_logprobs = as_trained.logprobs
-        if r2:
-            assert as_trained.routes is not None
-            # The rollout's routes (if any) were only needed for the metrics above.
-            batch.routed_experts = as_trained.routes
-            batch.router_padding_mask = ~batch.attention_mask.bool()
-            replay = True
-        if self.reference is not None:
-            with self.worker.swapped_weights(self.reference):
-                ref_logprobs = self.worker.forward(
-                    batch,
-                    micro_batch_size=t.micro_forward_batch_size_per_gpu,
-                    replay_routes=replay,
-                ).logprobs
-            # k3 KL(policy || initial policy) on the rollout's tokens, policy side as
-            # trained: how far training has moved the policy.
-            kl = float(kl_penalty(as_trained.logprobs, ref_logprobs, batch.loss_mask))
-            metrics.mean("policy/kl_to_ref", kl * own_tokens, own_tokens)
-            if t.algorithm.use_kl_loss:
-                batch.ref_logprobs = ref_logprobs
-        entropy_coef = self._entropy_coef(*entropy_sums)
-        if t.algorithm.use_entropy_loss:
-            metrics.mean("policy/entropy_coef", entropy_coef, 1.0)
-        metrics.merge(
-            self._update(
+        return as_trained, entropy_sums
+
+    def _reference_pass(
+        self,
+        batch: TrainingBatch,
+        plan: ReplayPlan,
+        logprobs: torch.Tensor,
+        metrics: MetricSums,
+    ) -> torch.Tensor | None:
+        """The reference policy's logprobs of the update ``batch`` (its routes replayed as
+        the updates will), with ``policy/kl_to_ref`` of the policy's ``logprobs`` into
+        ``metrics``; None without a reference (``trainer.ref``)."""
+        if self.reference is None:
+            return None
+        with self.worker.swapped_weights(self.reference):
+            ref_logprobs = self.worker.forward(
                 batch,
-                replay=replay,
-                r2=r2,
-                mini_batch_tokens=mini_batch_tokens,
-                step=step,
-                entropy_coef=entropy_coef,
-            )
-        )
-        # Each rank checks its own parameters: together they cover every expert shard.
-        require_finite_weights(
-            self.worker.named_parameters(), step=step, where=f"rank {self.info.rank}"
-        )
-        metrics.total(ROWS_KEY, float(batch.batch_size))
-        return metrics
+                micro_batch_size=self.cfg.trainer.micro_forward_batch_size_per_gpu,
+                replay_routes=plan.update.replay,
+                trajectory_ids=trajectory_ids(batch),
+            ).logprobs
+        # k3 KL(policy || initial policy) on the rollout's tokens, policy side as
+        # trained: how far training has moved the policy.
+        own_tokens = float(batch.loss_mask.sum())
+        kl = float(kl_penalty(logprobs, ref_logprobs, batch.loss_mask))
+        metrics.mean("policy/kl_to_ref", kl * own_tokens, own_tokens)
+        return ref_logprobs
 
     def _entropy_coef(self, entropy_sum: float, tokens: float) -> float:
         """The step's bonus coefficient (``entropy_target``), from the whole step's token
@@ -265,8 +293,7 @@ class PolicyTrainer:
         self,
         batch: TrainingBatch,
         *,
-        replay: bool,
-        r2: bool,
+        plan: ReplayPlan,
         mini_batch_tokens: Sequence[float] | None,
         step: int,
         entropy_coef: float,
@@ -310,18 +337,23 @@ class PolicyTrainer:
                     global_tokens, rows=part.batch_size, micro_batch_size=micro, dp_size=dp
                 )
 
-                loss_fn = self._loss_fn(
-                    tokens, clip_counts, off_policy if epoch == 0 else None, entropy_coef
+                loss_fn = policy_loss_fn(
+                    t.algorithm,
+                    tokens=tokens,
+                    clip_counts=clip_counts,
+                    off_policy=off_policy if epoch == 0 else None,
+                    entropy_coef=entropy_coef,
                 )
                 result = self.worker.train_step(
                     part,
                     loss_fn=loss_fn,
                     micro_batch_size=micro,
-                    replay_routes=replay,
+                    replay_routes=plan.update.replay,
                     entropy=t.algorithm.use_entropy_loss,
-                    capture_routes=r2,
+                    capture_routes=plan.update.capture,
+                    trajectory_ids=trajectory_ids(part),
                 )
-                if r2:
+                if plan.update.capture:
                     assert result.routes is not None
                     got = self.worker.rollout_router_agreement(part, result.routes)
                     r2_counts.append(
@@ -367,69 +399,6 @@ class PolicyTrainer:
             metrics.total("r2/num_token_layers", layers)
         return metrics
 
-    def _loss_fn(
-        self,
-        tokens: float,
-        clip_counts: list[tuple[float, float]],
-        off_policy: MetricSums | None,
-        entropy_coef: float,
-    ) -> Any:
-        """``off_policy``: where each microbatch's correction counts go (None: dropped)."""
-        algo = self.cfg.trainer.algorithm
-        # use_tis maps onto token TIS here (OffPolicyCorrection.from_algorithm_config).
-        correction = OffPolicyCorrection.from_algorithm_config(algo)
-
-        def loss_fn(
-            logprobs: torch.Tensor, mb: TrainingBatch, entropy: torch.Tensor | None = None
-        ) -> torch.Tensor:
-            assert mb.old_logprobs is not None and mb.advantages is not None
-            mask = training_loss_mask(mb)
-            # Without the engine's logprobs there is nothing to correct against; the
-            # batch trains uncorrected, as use_tis always did.
-            correct = correction.enabled and mb.rollout_logprobs is not None
-            common: dict[str, Any] = dict(
-                eps_clip_low=algo.eps_clip_low,
-                eps_clip_high=algo.eps_clip_high,
-                rollout_logprobs=mb.rollout_logprobs if correct else None,
-                off_policy_correction=correction if correct else None,
-                denominator=tokens,
-            )
-            if algo.policy_loss_type == "gspo":
-                # GSPO's sequence ratio needs whole sequences: microbatches split rows,
-                # never a row, so each row's mean log-ratio is complete here.
-                out = gspo_policy_loss(logprobs, mb.old_logprobs, mb.advantages, mask, **common)
-            else:
-                out = ppo_policy_loss(
-                    logprobs,
-                    mb.old_logprobs,
-                    mb.advantages,
-                    mask,
-                    clip_ratio_c=algo.clip_ratio_c,
-                    **common,
-                )
-            count = out.metrics["num_tokens"]
-            clip_counts.append((out.metrics["clip_fraction"] * count, count))
-            if out.off_policy is not None and off_policy is not None:
-                off_policy.merge(out.off_policy.to_metrics("off_policy"))
-            loss = out.loss
-            # Both terms divide by the same global token count as the policy loss, so
-            # the coefficients weigh token means whatever the microbatch split.
-            if algo.use_kl_loss:
-                assert mb.ref_logprobs is not None
-                kl = kl_penalty(logprobs, mb.ref_logprobs, mask, denominator=tokens)
-                loss = loss + algo.kl_loss_coef * kl
-            if algo.use_entropy_loss:
-                if entropy is None:
-                    raise ValueError(
-                        "entropy: expected the worker's per-token entropy with "
-                        "trainer.algorithm.use_entropy_loss, got None"
-                    )
-                bonus = token_mean_entropy(entropy, mask, denominator=tokens)
-                loss = loss - entropy_coef * bonus
-            return loss
-
-        return loss_fn
-
     def score(self, batch: TrainingBatch) -> torch.Tensor | None:
         """The current weights' logprobs ``[B, R]`` of ``batch``'s response tokens (the
         served-weights check, ``served_weights.py``): with the batch's routes replayed
@@ -446,6 +415,7 @@ class PolicyTrainer:
             # An expert capacity is a training-time choice no engine makes: scored with
             # it, right weights read 1.04 off at factor 1.0 (issue 49).
             drop_tokens=False,
+            trajectory_ids=trajectory_ids(batch),
         ).logprobs
         return logprobs if self.info.is_last_stage else None
 
@@ -518,25 +488,32 @@ class PolicyTrainer:
         """Each rank writes its own shard (its experts, optimizer state and RNGs) into
         the driver's temp folder (``checkpoint.begin_save``), fsynced before returning:
         the driver's manifest then vouches for bytes already on disk. Plain data only
-        (``runs.rank_state``), so a resume never runs pickled code."""
+        (``runs.rank_file``), so a resume never runs pickled code."""
         state = rank_checkpoint(self.worker, world_size=self.info.world_size, layout=self._layout())
         save_rank_state(checkpoint_file(Path(folder), self.info.rank), state)
 
     def _layout(self) -> dict[str, int | None]:
-        return layout_record(self.cfg.trainer.policy.megatron_config)
+        """The layout record of this rank's files: the layout its worker reported at
+        setup (``RankInfo.layout``), never read from a backend's config."""
+        return self._reported_layout().record()
+
+    def _reported_layout(self) -> ParallelLayout:
+        if self.info.layout is None:
+            raise RuntimeError("info.layout: expected the worker's layout (setup first), got None")
+        return self.info.layout
 
     def load_checkpoint(self, folder: str) -> None:
         """Restore this rank from ``folder``, which the launch verified against its
-        manifest (``checkpoint.verify_resume``) before Ray started; rank files are read
+        manifest (``resume.verify_resume``) before Ray started; rank files are read
         with ``torch.load(weights_only=True)``. A checkpoint of another layout (world
-        size, TP, PP, VPP, EP or ETP) is resharded (``runs/reshard.py``)."""
+        size, TP, PP, VPP, EP or ETP) is resharded (``runs/resume.py``)."""
         resharded = restore_rank(
             Path(folder),
             self.worker,
             rank=self.info.rank,
             world_size=self.info.world_size,
             layout=self._layout(),
-            strategy=self.cfg.trainer.strategy,
+            strategy=self._reported_layout().backend,
         )
         if resharded is not None:
             logger.info(

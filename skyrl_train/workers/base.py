@@ -1,9 +1,11 @@
 """What the trainer asks of one rank's policy worker, whatever the backend runs it.
 
-``PolicyWorker`` is the contract between ``trainer/policy.py`` (one trainer rank) and a
-backend (today ``workers/megatron``, built by ``workers/factory.py``): every call the
-trainer makes on its worker, and nothing else. The result types are plain dataclasses
-of CPU tensors and floats. Importing this module loads no backend.
+``PolicyWorker`` is the contract between ``trainer/policy.py`` (one trainer rank) and
+either backend, ``workers/megatron`` or ``workers/fsdp`` (built by
+``workers/factory.py``): every call the trainer makes on its worker, and nothing else.
+``RankInfo`` is where a rank sits in its backend's groups; the result types are plain
+dataclasses of CPU tensors and floats; ``check_swapped_weights`` is the shared refusal
+of ``swapped_weights``. Importing this module loads no backend.
 
 Gradient contract (``train_step``); how the three factors of the loss normalisation
 make every step a token mean over the global mini-batch is written out once, in
@@ -15,12 +17,13 @@ make every step a token mean over the global mini-batch is written out once, in
   (``token_mean.num_microbatches`` of them), none splitting a row.
 - The microbatches' gradients accumulate as their mean (each loss times
   1 / microbatches), and ``TrainStepResult.loss`` is the mean of the microbatch losses.
-- Each gradient is then summed over its data-parallel group (for an expert
+- Each gradient is then summed over its data-parallel group (for a Megatron expert
   parameter, the expert-data-parallel one: the ranks holding the same experts) and
   divided by the dense data-parallel size ``dp_size``, experts included, as
-  Megatron's DDP scales them. Gradients of weights that tensor-parallel ranks hold
-  whole but feed from their own shard of the data (sequence-parallel norms and
-  routers, q/k norms) are summed over the tensor-parallel group first.
+  Megatron's DDP scales them and FSDP2's reduce-scatter averages. Under Megatron,
+  gradients of weights that tensor-parallel ranks hold whole but feed from their own
+  shard of the data (sequence-parallel norms and routers, q/k norms) are summed over
+  the tensor-parallel group first.
 - ``TrainStepResult.grad_norm`` is the global L2 norm before clipping, over every
   shard of the model (tensor, expert and pipeline parallel), equal on every rank.
   Gradients are scaled down to ``trainer.policy.optimizer_config.max_grad_norm`` when
@@ -44,22 +47,28 @@ Route contract (``forward`` and ``train_step``):
   selection is replayed: the routing weights are the live router's scores at the
   replayed ids, so the router still gets gradients. The whole batch's routes are
   validated before any microbatch runs (shape against the model, ids in
-  ``[0, num_experts)``, ``K`` distinct ids per position), a bad one refused with
-  ``RouteReplayError``.
+  ``[0, num_experts)``, ``K`` distinct ids per position; ``workers/routes.py``), a bad
+  one refused with ``RouteReplayError``.
 - ``capture_routes=True`` returns what each router dispatched in the forward (never a
   backward recompute) in the same layout, ids ascending, padding positions
   ``arange(K)``.
-- R3 and R2 are the trainer's choice, not the worker's: under R3
-  (``routing_replay_source=rollout``) the trainer replays the rollout's routes in the
-  old-logprob forward and every update; under R2 (``old_policy``) it captures the
-  old-logprob forward's own routes (native routing), puts them on the batch with only
-  the padding columns masked, and replays them in every update. The worker replays
-  whatever routes the batch carries (docs/r3-and-pipeline.md).
+- R3 and R2 are the trainer's choice, not the worker's, made once per step
+  (``trainer/replay_plan.py``): under R3 (``trainer.policy.routing_replay.source=
+  rollout``) the trainer replays the rollout's routes in the old-logprob forward and
+  every update; under R2 (``old_policy``) it captures the old-logprob forward's own
+  routes (native routing), puts them on a copy of the batch with only the padding
+  columns masked, and replays them in every update. The worker replays whatever routes
+  the batch carries (docs/r3-and-pipeline.md); a worker built with
+  ``routing_replay=False`` refuses a replay naming ``trainer.policy.routing_replay.enabled``.
+
+Both backends' ``train_step`` share one body (``workers/step.py``: the replay check,
+each microbatch's loss, the step's end); each keeps its own schedule and gradient
+reduction.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
@@ -69,7 +78,7 @@ import torch
 from inference.models.architecture import MoEArchitecture
 from skyrl_train.algorithms.mismatch import RouterAgreement
 from skyrl_train.dataset.batch import TrainingBatch
-from skyrl_train.runs.reshard import Checkpointable
+from skyrl_train.runs.rank_contract import Checkpointable, ParallelLayout
 
 LossFn = Callable[[torch.Tensor, TrainingBatch], torch.Tensor]
 """``loss_fn(logprobs [b, R], microbatch) -> scalar``."""
@@ -93,6 +102,10 @@ class RankInfo:
     """``export_weights`` gathers shards from other ranks (experts, stages, tensor or
     FSDP shards), so every rank must consume it in lockstep, a rank that neither
     pushes nor writes included."""
+    layout: ParallelLayout | None = None
+    """The layout the backend runs (``runs.rank_contract``), which the trainer records
+    in its rank files and a resume compares; None only for a worker that never saves
+    (a test's stand-in)."""
 
     @property
     def is_last_stage(self) -> bool:
@@ -153,7 +166,7 @@ class PolicyWorker(Checkpointable, Protocol):
     """One trainer rank's policy model: the calls ``PolicyTrainer`` makes, with the
     gradient and route contracts of this module's docstring. Built and set up by
     ``workers.factory.build_worker``; ``checkpoint_state`` and ``load_checkpoint_state``
-    (``runs.reshard.Checkpointable``) are the rank's checkpoint.
+    (``runs.rank_contract.Checkpointable``) are the rank's checkpoint.
 
     With experts, layers or tensors sharded over ranks, ``forward``, ``train_step`` and
     ``export_weights`` are collectives: every rank of those groups calls them in
@@ -199,12 +212,15 @@ class PolicyWorker(Checkpointable, Protocol):
         entropy: bool = False,
         temperature: float | None = None,
         drop_tokens: bool = True,
+        trajectory_ids: Sequence[str] | None = None,
     ) -> ForwardResult:
         """Response logprobs without gradient, microbatch by microbatch.
         ``temperature``: None scores under the rollout sampler's; 1.0 with a batch
         without ``sample_support`` gives the raw logits' logprobs. ``drop_tokens=False``:
         no expert drops a token over its capacity (an engine never does); a backend
-        without an expert capacity drops none either way."""
+        without an expert capacity drops none either way. ``trajectory_ids``: one name
+        per row (``dataset.batch.trajectory_ids``), which a route refusal gives instead
+        of the row's index in this rank's shard."""
         ...
 
     def rollout_router_agreement(
@@ -223,9 +239,11 @@ class PolicyWorker(Checkpointable, Protocol):
         replay_routes: bool | None = None,
         entropy: bool = False,
         capture_routes: bool = False,
+        trajectory_ids: Sequence[str] | None = None,
     ) -> TrainStepResult:
         """One optimizer step over ``batch`` (the gradient contract above); with
-        ``entropy=True`` ``loss_fn`` also gets the differentiable entropy ``[b, R]``."""
+        ``entropy=True`` ``loss_fn`` also gets the differentiable entropy ``[b, R]``.
+        ``trajectory_ids`` as ``forward``'s."""
         ...
 
     def scheduled_lr(self) -> float:

@@ -80,11 +80,12 @@ def build_worker(
         megatron_join(rank=rank, world_size=world_size, init_method=init_method)
     return MegatronPolicyWorker(
         architecture,
-        # The worker reads the replay mode from its own node's two keys (deprecated at
-        # launch, null there by now): a copy with the run's mode, not the null default.
+        # The node's two deprecated keys (null by now) hold the run's mode too, so the
+        # node agrees with the argument the worker replays by.
         megatron_worker_config(policy.megatron_config, policy.routing_replay),
         optimizer=policy.optimizer_config,
         seed=cfg.trainer.seed,
         pad_token_id=pad_token_id,
         temperature=trainer_temperature(cfg),
+        routing_replay=policy.routing_replay.enabled,
     ).setup()

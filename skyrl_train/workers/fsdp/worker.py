@@ -27,8 +27,9 @@ from skyrl_train.algorithms import optim
 from skyrl_train.algorithms.mismatch import RouterAgreement
 from skyrl_train.config.constraints import check_constraints
 from skyrl_train.config.schema import FSDPConfig, OptimizerConfig
-from skyrl_train.dataset.batch import TrainingBatch, batch_to
+from skyrl_train.dataset.batch import TrainingBatch
 from skyrl_train.workers import routes as route_checks
+from skyrl_train.workers import step
 from skyrl_train.workers.base import (
     EntropyLossFn,
     ForwardResult,
@@ -50,9 +51,6 @@ from skyrl_train.workers.fsdp.model import (
     device_type,
     shard_model,
 )
-
-ROUTING_REPLAY_KEY = "trainer.policy.routing_replay.enabled"
-"""The key a replay requested with ``routing_replay=False`` is refused naming."""
 
 
 class FSDPPolicyWorker:
@@ -163,7 +161,7 @@ class FSDPPolicyWorker:
         for name, param in self._require_model().named_parameters():
             yield name, state.full_tensor(param)
 
-    # ---- checkpoints (runs/reshard.py's Checkpointable) -------------------------------
+    # ---- checkpoints (runs/rank_contract.py's Checkpointable) ------------------------
 
     def checkpoint_state(self) -> dict[str, Any]:
         """This rank's shards of the model and AdamW as plain data, with their
@@ -184,9 +182,19 @@ class FSDPPolicyWorker:
     def rank_info(self) -> RankInfo:
         """Every rank is a data-parallel rank (one shard group over the world)."""
         self._require_model()
+        from skyrl_train.workers.fsdp.checkpoint import parallel_layout
+
         rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
         # Every weight is sharded over every rank: each one's export is an all-gather.
-        return RankInfo(rank, world, rank, world, ep_size=1, collective_export=world > 1)
+        return RankInfo(
+            rank,
+            world,
+            rank,
+            world,
+            ep_size=1,
+            collective_export=world > 1,
+            layout=parallel_layout(world),
+        )
 
     def scheduled_lr(self) -> float:
         """The learning rate the next optimizer step uses (warm-up included)."""
@@ -273,33 +281,22 @@ class FSDPPolicyWorker:
         assert optimizer is not None
         do_replay = self._check_replay(batch, replay_routes, trajectory_ids)
         micro = self._microbatches(batch, micro_batch_size)
-        count = len(micro)
-        losses = torch.zeros(count, dtype=torch.float64)
+        losses = step.MicrobatchLosses(loss_fn, len(micro))
         routes: list[torch.Tensor] = []
-        model.train()
-        optimizer.zero_grad(set_to_none=True)
+        step.begin_step(model, optimizer)
         try:
             self._accumulate(
-                micro,
-                loss_fn,
-                losses,
-                routes,
-                replay=do_replay,
-                entropy=entropy,
-                capture=capture_routes,
+                micro, losses, routes, replay=do_replay, entropy=entropy, capture=capture_routes
             )
         finally:
             state.reshard(model)  # an exception mid-step may leave layers gathered
         grad_norm = state.clip_grad_norm(model, max_norm=self.optimizer_config.max_grad_norm)
-        lr = optim.scheduled_lr(self.optimizer_config, optimizer)
-        # Skipped on a NaN/inf norm: the trainer stops the run on it (trainer/finite.py).
-        optim.optimizer_step(optimizer, lr=lr, grad_norm=grad_norm)
-        return TrainStepResult(
-            loss=float(losses.mean()),
+        return step.finish_step(
+            optimizer,
+            self.optimizer_config,
             grad_norm=grad_norm,
-            num_microbatches=count,
+            losses=losses.values,
             replayed=do_replay,
-            lr=lr,
             routes=torch.cat(routes) if capture_routes else None,
         )
 
@@ -308,16 +305,15 @@ class FSDPPolicyWorker:
     def _accumulate(
         self,
         micro: list[TrainingBatch],
-        loss_fn: LossFn | EntropyLossFn,
-        losses: torch.Tensor,
+        losses: step.MicrobatchLosses,
         routes: list[torch.Tensor],
         *,
         replay: bool,
         entropy: bool,
         capture: bool,
     ) -> None:
-        """Forward and backward of every microbatch, each inside its replay session;
-        the losses into ``losses``, the captured routes appended to ``routes``."""
+        """Forward and backward of every microbatch, each inside its replay session, the
+        loss from ``losses``; the captured routes appended to ``routes``."""
         model, count = self._require_model(), len(micro)
         for m, mb in enumerate(micro):
             layout = make_contiguous(mb, pad_token_id=self.pad_token_id)
@@ -330,9 +326,7 @@ class FSDPPolicyWorker:
                 lp, ent = score_responses(
                     self._logits(layout), layout, mb, entropy=entropy, temperature=self.temperature
                 )
-                extra = (ent,) if ent is not None else ()
-                value = loss_fn(lp, batch_to(mb, lp.device), *extra)  # type: ignore[arg-type]
-                losses[m] = float(value.detach())
+                value = losses(m, lp, ent, mb)
                 # Each loss times 1/microbatches: the gradients accumulate to their
                 # mean (algorithms/token_mean.py).
                 (value / count).backward()
@@ -369,13 +363,10 @@ class FSDPPolicyWorker:
         replay_routes: bool | None,
         trajectory_ids: Sequence[str] | None,
     ) -> bool:
-        """Decide whether to replay, the whole batch's routes validated up front
-        (``workers/routes.py``)."""
-        return route_checks.replay_requested(
+        return step.check_replay(
             batch,
             replay_routes,
             self._require_gates(),
-            enabled=self.routing_replay,
-            enabled_key=ROUTING_REPLAY_KEY,
+            routing_replay=self.routing_replay,
             trajectory_ids=trajectory_ids,
         )

@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from inference.models.architecture import MoEArchitecture
-from skyrl_train.config import refuse_replay_incompatible
+from skyrl_train.config.megatron_unsupported import refuse_replay_incompatible
 from skyrl_train.config.routing_replay import megatron_replay_enabled
 from skyrl_train.config.schema import MegatronConfig
 from skyrl_train.errors import ConfigValidationError
@@ -62,9 +62,15 @@ def padded_vocab_size(vocab_size: int, mc: MegatronConfig) -> int:
     return -(-vocab_size // multiple) * multiple
 
 
-def transformer_config_kwargs(arch: MoEArchitecture, mc: MegatronConfig) -> dict[str, Any]:
+def transformer_config_kwargs(
+    arch: MoEArchitecture, mc: MegatronConfig, *, routing_replay: bool | None = None
+) -> dict[str, Any]:
     """The TransformerConfig kwargs for ``arch`` and the ``megatron_config`` node ``mc``;
-    the passthrough ``transformer_config_kwargs`` win."""
+    the passthrough ``transformer_config_kwargs`` win. ``routing_replay``: the run's
+    ``trainer.policy.routing_replay.enabled`` (the worker's argument); None reads the
+    node's deprecated alias, for a config-level caller that has no node."""
+    if routing_replay is None:
+        routing_replay = megatron_replay_enabled(mc)
     base: dict[str, Any] = dict(
         num_layers=arch.num_layers,
         hidden_size=arch.hidden_size,
@@ -87,7 +93,7 @@ def transformer_config_kwargs(arch: MoEArchitecture, mc: MegatronConfig) -> dict
         moe_grouped_gemm=False,
         moe_router_fusion=False,
         moe_permute_fusion=False,
-        moe_enable_routing_replay=megatron_replay_enabled(mc),
+        moe_enable_routing_replay=routing_replay,
         normalization="RMSNorm",
         layernorm_epsilon=arch.rms_norm_eps,
         gated_linear_unit=True,
@@ -133,8 +139,10 @@ def transformer_config_kwargs(arch: MoEArchitecture, mc: MegatronConfig) -> dict
     return base
 
 
-def build_transformer_config(arch: MoEArchitecture, mc: MegatronConfig) -> Any:
-    """The resolved TransformerConfig. ``refuse_replay_incompatible`` (launch
+def build_transformer_config(
+    arch: MoEArchitecture, mc: MegatronConfig, *, routing_replay: bool | None = None
+) -> Any:
+    """The resolved TransformerConfig (``routing_replay`` as ``transformer_config_kwargs``'s). ``refuse_replay_incompatible`` (launch
     validation's rule) runs again on the kwargs and on the built config: a passthrough
     kwarg or a Python-built node skipped validation, and megatron-core derives some
     values (virtual stages from a pipeline layout) only while it builds the config."""
@@ -156,7 +164,7 @@ def build_transformer_config(arch: MoEArchitecture, mc: MegatronConfig) -> Any:
             expected="1 for a checkpoint with tie_word_embeddings=true",
             got=str(mc.pipeline_model_parallel_size),
         )
-    kwargs = transformer_config_kwargs(arch, mc)
+    kwargs = transformer_config_kwargs(arch, mc, routing_replay=routing_replay)
     if mc.tensor_model_parallel_size > 1 and not kwargs["sequence_parallel"]:
         raise ConfigValidationError(
             f"{MEGATRON_CONFIG_KEY}.transformer_config_kwargs.sequence_parallel",

@@ -32,10 +32,12 @@ from inference.models.architecture import MoEArchitecture
 from skyrl_train.algorithms import optim
 from skyrl_train.algorithms.mismatch import RouterAgreement
 from skyrl_train.config.constraints import check_constraints
+from skyrl_train.config.routing_replay import refuse_conflicting_alias
 from skyrl_train.config.schema import MegatronConfig, OptimizerConfig
-from skyrl_train.dataset.batch import TrainingBatch, batch_to
+from skyrl_train.dataset.batch import TrainingBatch
 from skyrl_train.errors import ConfigValidationError
 from skyrl_train.workers import routes as route_checks
+from skyrl_train.workers import step
 from skyrl_train.workers.base import (
     EntropyLossFn,
     ForwardResult,
@@ -90,9 +92,11 @@ class MegatronPolicyWorker:
         seed: int = 0,
         pad_token_id: int = 0,
         temperature: float = 1.0,
+        routing_replay: bool = True,
     ) -> None:
         # A node built in Python skipped Hydra and validate_cfg: refuse a bad one here.
         check_constraints(megatron_config, prefix=MEGATRON_CONFIG_KEY)
+        refuse_conflicting_alias(megatron_config, routing_replay=routing_replay)
         self.architecture = architecture
         self.megatron_config = megatron_config
         self.optimizer_config = optimizer if optimizer is not None else OptimizerConfig()
@@ -103,6 +107,9 @@ class MegatronPolicyWorker:
         self.temperature = temperature
         """The rollout sampler's temperature: every forward scores tokens under
         softmax(logits / temperature), over the batch's ``sample_support`` when it has one."""
+        self.routing_replay = routing_replay
+        """``trainer.policy.routing_replay.enabled``: the model is built to replay (and
+        replays by default when a batch carries routes)."""
         self.model: Any = None
         """This rank's model: its one chunk, or a ModuleList of its virtual stages'."""
         self.chunks: list[Any] = []
@@ -116,7 +123,9 @@ class MegatronPolicyWorker:
         """Resolve the Megatron config (refusing what defeats replay), initialise
         parallel state, build the model and the optimizer."""
         apply_cpu_compat()
-        config = build_transformer_config(self.architecture, self.megatron_config)
+        config = build_transformer_config(
+            self.architecture, self.megatron_config, routing_replay=self.routing_replay
+        )
         init_parallel_state(self.megatron_config, seed=self.seed)
         rows = padded_vocab_size(self.architecture.vocab_size, self.megatron_config)
         self.chunks = build_model_chunks(self.architecture, config, seed=self.seed, vocab_rows=rows)
@@ -174,12 +183,12 @@ class MegatronPolicyWorker:
         """This rank's parameters (its shards), as its model names them."""
         return self._require_model().named_parameters()
 
-    # ---- checkpoints (runs/reshard.py's Checkpointable) -------------------------------
+    # ---- checkpoints (runs/rank_contract.py's Checkpointable) ------------------------
 
     def checkpoint_state(self) -> dict[str, Any]:
         """The model's and AdamW's state dicts, and where each parameter sits in the
         whole model (``placement.placement_record``), for another layout's resume."""
-        from skyrl_train.runs.reshard import PLACEMENT_KEY
+        from skyrl_train.runs.rank_contract import PLACEMENT_KEY
         from skyrl_train.workers.megatron.placement import placement_record
 
         assert self.optimizer is not None
@@ -203,13 +212,16 @@ class MegatronPolicyWorker:
         """This rank's place in torch.distributed and Megatron's parallel groups."""
         from megatron.core import parallel_state
 
+        from skyrl_train.workers.megatron.placement import parallel_layout
+
         self._require_model()
         ep_size = parallel_state.get_expert_model_parallel_world_size()
         pp_size = parallel_state.get_pipeline_model_parallel_world_size()
         tp_size = parallel_state.get_tensor_model_parallel_world_size()
+        world_size = torch.distributed.get_world_size()
         return RankInfo(
             rank=torch.distributed.get_rank(),
-            world_size=torch.distributed.get_world_size(),
+            world_size=world_size,
             dp_rank=parallel_state.get_data_parallel_rank(),
             dp_size=parallel_state.get_data_parallel_world_size(),
             ep_size=ep_size,
@@ -218,6 +230,7 @@ class MegatronPolicyWorker:
             tp_size=tp_size,
             # Data-parallel ranks hold whole copies: only these layouts split weights.
             collective_export=ep_size > 1 or pp_size > 1 or tp_size > 1,
+            layout=parallel_layout(self.megatron_config, world=world_size),
         )
 
     # ---- forward ----------------------------------------------------------------
@@ -302,7 +315,7 @@ class MegatronPolicyWorker:
         assert optimizer is not None
         do_replay = self._check_replay(batch, replay_routes, trajectory_ids)
         batches = self._prepare(batch, micro_batch_size)
-        losses = torch.zeros(batches.count, dtype=torch.float64)
+        losses = step.MicrobatchLosses(loss_fn, batches.count)
 
         vocab = self.architecture.vocab_size
 
@@ -310,13 +323,9 @@ class MegatronPolicyWorker:
             lp, ent = _response(
                 logits, batches, m, entropy=entropy, temperature=self.temperature, vocab_size=vocab
             )
-            extra = (ent,) if ent is not None else ()
-            value = loss_fn(lp, batch_to(batches.micro[m], lp.device), *extra)  # type: ignore[arg-type]
-            losses[m] = float(value.detach())
-            return value
+            return losses(m, lp, ent, batches.micro[m])
 
-        model.train()
-        optimizer.zero_grad(set_to_none=True)
+        step.begin_step(model, optimizer)
         routes = self._run(
             batches, head=loss, forward_only=False, replay=do_replay, capture=capture_routes
         )
@@ -326,15 +335,13 @@ class MegatronPolicyWorker:
         grad_norm = clip_grad_norm(
             params, max_norm=self.optimizer_config.max_grad_norm, pipeline=self._pipeline
         )
-        lr = optim.scheduled_lr(self.optimizer_config, optimizer)
-        # Skipped on a NaN/inf norm: the trainer stops the run on it (trainer/finite.py).
-        optim.optimizer_step(optimizer, lr=lr, grad_norm=grad_norm)
-        return TrainStepResult(
-            loss=float(self._pipeline.from_last_stage(losses).mean()),
+        return step.finish_step(
+            optimizer,
+            self.optimizer_config,
             grad_norm=grad_norm,
-            num_microbatches=batches.count,
+            # A broadcast over the pipeline group, which every stage runs here alike.
+            losses=self._pipeline.from_last_stage(losses.values),
             replayed=do_replay,
-            lr=lr,
             routes=routes,
         )
 
@@ -391,15 +398,11 @@ class MegatronPolicyWorker:
         replay_routes: bool | None,
         trajectory_ids: Sequence[str] | None,
     ) -> bool:
-        """Decide whether to replay, the whole batch's routes validated up front
-        (``workers/routes.py``)."""
-        routers = self._require_routers()
-        return route_checks.replay_requested(
+        return step.check_replay(
             batch,
             replay_routes,
-            routers,
-            enabled=routers.replay_enabled,
-            enabled_key=f"{MEGATRON_CONFIG_KEY}.moe_enable_routing_replay",
+            self._require_routers(),
+            routing_replay=self.routing_replay,
             trajectory_ids=trajectory_ids,
         )
 

@@ -19,8 +19,8 @@ from safetensors import safe_open
 
 from inference.models.checkpoint import inspect_checkpoint
 from skyrl_train.config.schema import MegatronConfig
-from skyrl_train.runs.backend import STRATEGY_KEY
-from skyrl_train.runs.rank_state import checkpoint_file, read_plain
+from skyrl_train.runs.rank_contract import STRATEGY_KEY
+from skyrl_train.runs.rank_file import checkpoint_file, read_plain
 
 TEXTS = ["Tom has 3 apples.", "12 + 7 = 19\nThe answer is 19.", "naïve café ∑"]
 CHAT = [
@@ -40,7 +40,7 @@ def trainer_logits(checkpoint: Path, model_folder: Path, tokens: torch.Tensor) -
     if state.get(STRATEGY_KEY) == "fsdp":
         return _fsdp_trainer_logits(state, model_folder, tokens)
     arch = inspect_checkpoint(model_folder).architecture
-    worker = MegatronPolicyWorker(arch, MegatronConfig(moe_enable_routing_replay=False)).setup()
+    worker = MegatronPolicyWorker(arch, MegatronConfig(), routing_replay=False).setup()
     worker.model.load_state_dict(state["model"])
     worker.model.eval()
     rows, seq = tokens.shape

@@ -32,7 +32,7 @@ from _e2e import (
 from skyrl_train.config.compose import load_config
 from skyrl_train.config.schema import PPOConfig
 from skyrl_train.entrypoints.main_base import launch
-from skyrl_train.runs.rank_state import checkpoint_file, read_plain
+from skyrl_train.runs.rank_file import checkpoint_file, read_plain
 from skyrl_train.trainer.policy import RankInfo
 from skyrl_train.utils.tracking import read_metrics
 

@@ -4,7 +4,7 @@ calls its test is about and still is a ``PolicyWorker`` (``check_stand_in``)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
@@ -76,6 +76,7 @@ class StandInWorker:
         entropy: bool = False,
         temperature: float | None = None,
         drop_tokens: bool = True,
+        trajectory_ids: Sequence[str] | None = None,
     ) -> ForwardResult:
         raise NotImplementedError("the stand-in's test defines forward")
 
@@ -94,6 +95,7 @@ class StandInWorker:
         replay_routes: bool | None = None,
         entropy: bool = False,
         capture_routes: bool = False,
+        trajectory_ids: Sequence[str] | None = None,
     ) -> TrainStepResult:
         raise NotImplementedError("the stand-in's test defines train_step")
 

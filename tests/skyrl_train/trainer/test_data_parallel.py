@@ -17,7 +17,8 @@ from skyrl_train.algorithms import MetricSums
 from skyrl_train.config.compose import load_config
 from skyrl_train.dataset.batch import TrainingBatch, slice_batch
 from skyrl_train.errors import CheckpointError, ConfigValidationError
-from skyrl_train.runs.rank_state import checkpoint_file, load_rank_state, save_rank_state
+from skyrl_train.runs.rank_file import checkpoint_file, save_rank_state
+from skyrl_train.runs.resume import load_rank_state
 from skyrl_train.trainer.data_parallel import (
     combine_rank_metrics,
     mini_batch_order,

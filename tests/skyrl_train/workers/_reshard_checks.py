@@ -17,8 +17,9 @@ from _megatron_batches import PAD_ID
 
 from inference.models.tiny_moe import TinyMoEConfig, build_hf_model
 from skyrl_train.config.schema import MegatronConfig, OptimizerConfig
-from skyrl_train.runs.rank_state import checkpoint_file, layout_record, save_rank_state
-from skyrl_train.runs.reshard import rank_checkpoint, restore_rank
+from skyrl_train.runs.rank_file import checkpoint_file, save_rank_state
+from skyrl_train.runs.resume import rank_checkpoint, restore_rank
+from skyrl_train.workers.megatron.placement import parallel_layout
 
 WORLD = 2
 LAYOUTS: dict[str, dict[str, Any]] = {
@@ -40,8 +41,8 @@ rank's half of the experts (EP=2) to both TP ranks' halves of every expert."""
 
 
 def _layout(name: str) -> dict[str, Any]:
-    """The layout record ``PolicyTrainer._layout`` writes for a layout."""
-    return layout_record(MegatronConfig(**LAYOUTS[name]))
+    """The layout record ``PolicyTrainer.save_checkpoint`` writes for a layout."""
+    return parallel_layout(MegatronConfig(**LAYOUTS[name]), world=WORLD).record()
 
 
 def _worker(cfg: TinyMoEConfig, name: str) -> Any:

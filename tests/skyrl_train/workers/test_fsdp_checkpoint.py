@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 import torch
-from _ranks import run_ranks
+from _ranks import one_rank_group, run_group
 from torch.distributed.tensor import DTensor
 
 from inference.models.checkpoint import builtin_checkpoint
@@ -32,12 +32,12 @@ from skyrl_train.algorithms.optim import build_optimizer, optimizer_step
 from skyrl_train.config.compose import load_config
 from skyrl_train.config.schema import FSDPConfig, OptimizerConfig
 from skyrl_train.errors import CheckpointError, ConfigValidationError
-from skyrl_train.runs.backend import STRATEGY_KEY
-from skyrl_train.runs.checkpoint import DRIVER_FILE, begin_save, commit_save, verify_resume
+from skyrl_train.runs.checkpoint import DRIVER_FILE, begin_save, commit_save
 from skyrl_train.runs.export import write_hf_export
 from skyrl_train.runs.folder import CHECKPOINTS_DIR, resolve_resume
-from skyrl_train.runs.rank_state import checkpoint_file, read_plain, save_rank_state
-from skyrl_train.runs.reshard import PLACEMENT_KEY, rank_checkpoint, restore_rank
+from skyrl_train.runs.rank_contract import PLACEMENT_KEY, STRATEGY_KEY, ParallelLayout
+from skyrl_train.runs.rank_file import checkpoint_file, read_plain, save_rank_state
+from skyrl_train.runs.resume import rank_checkpoint, restore_rank, verify_resume
 from skyrl_train.trainer.policy import PolicyTrainer
 from skyrl_train.utils.durable import write_file
 from skyrl_train.workers.fsdp import checkpoint as fsdp_checkpoint
@@ -145,14 +145,9 @@ def _restore(folder: Path, ranked: _Rank, *, rank: int, world_size: int) -> Any:
 
 @pytest.fixture(scope="module")
 def group() -> Iterator[None]:
-    dist = torch.distributed
-    created = not dist.is_initialized()
-    if created:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    assert dist.get_world_size() == 1
-    yield
-    if created:
-        dist.destroy_process_group()
+    with one_rank_group():
+        assert torch.distributed.get_world_size() == 1
+        yield
 
 
 @pytest.fixture(scope="module")
@@ -309,53 +304,47 @@ def test_placement_records_name_each_parameter_and_its_dim0_shard(
 # -------------------------------------------------------------------- two ranks
 
 
-def _rank_main(rank: int, rendezvous: str, one: str, out: str) -> None:
-    torch.set_num_threads(1)
-    dist = torch.distributed
-    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=WORLD)
-    try:
-        # 1 -> 2: the one-rank checkpoint, resharded, holds the saved state whole.
-        fresh = _Rank(seed=5)
-        resharded = _restore(Path(one), fresh, rank=rank, world_size=WORLD)
-        assert resharded is not None and resharded.rng_from == (0 if rank == 0 else None)
-        whole = fresh.full()
-        if rank == 0:
-            torch.save(whole, Path(out) / "from_one.pt")
+def _rank_main(rank: int, one: str, out: str) -> None:
+    # 1 -> 2: the one-rank checkpoint, resharded, holds the saved state whole.
+    fresh = _Rank(seed=5)
+    resharded = _restore(Path(one), fresh, rank=rank, world_size=WORLD)
+    assert resharded is not None and resharded.rng_from == (0 if rank == 0 else None)
+    whole = fresh.full()
+    if rank == 0:
+        torch.save(whole, Path(out) / "from_one.pt")
 
-        # A two-rank run: round trip and resume.
-        ranked = _Rank(seed=0)
-        for step in range(STEPS):
-            ranked.step(step, rank=rank)
-        folder = _save(Path(out) / "two", ranked, rank=rank, world_size=WORLD, step=STEPS)
-        saved, saved_whole = ranked.local(), ranked.full()
-        expected = ranked.step(STEPS, rank=rank)
-        after = ranked.local()
+    # A two-rank run: round trip and resume.
+    ranked = _Rank(seed=0)
+    for step in range(STEPS):
+        ranked.step(step, rank=rank)
+    folder = _save(Path(out) / "two", ranked, rank=rank, world_size=WORLD, step=STEPS)
+    saved, saved_whole = ranked.local(), ranked.full()
+    expected = ranked.step(STEPS, rank=rank)
+    after = ranked.local()
 
-        again = _Rank(seed=5)
-        assert _restore(folder, again, rank=rank, world_size=WORLD) is None
-        _assert_equal(again.local(), saved)
-        got = again.step(STEPS, rank=rank)
-        assert got == expected, (got, expected)
-        _assert_equal(again.local(), after)
-        if rank == 0:
-            torch.save({"folder": str(folder), "whole": saved_whole}, Path(out) / "two.pt")
-        # Three experts over two ranks: rank 0 holds two, rank 1 one.
-        experts = dict(again.model.named_parameters())["model.layers.0.mlp.experts.down_proj"]
-        assert experts.to_local().shape[0] == (2 if rank == 0 else 1)
-    finally:
-        dist.destroy_process_group()
+    again = _Rank(seed=5)
+    assert _restore(folder, again, rank=rank, world_size=WORLD) is None
+    _assert_equal(again.local(), saved)
+    got = again.step(STEPS, rank=rank)
+    assert got == expected, (got, expected)
+    _assert_equal(again.local(), after)
+    if rank == 0:
+        torch.save({"folder": str(folder), "whole": saved_whole}, Path(out) / "two.pt")
+    # Three experts over two ranks: rank 0 holds two, rank 1 one.
+    experts = dict(again.model.named_parameters())["model.layers.0.mlp.experts.down_proj"]
+    assert experts.to_local().shape[0] == (2 if rank == 0 else 1)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_two_ranks_round_trip_resume_and_reshard_both_ways(
-    one_rank: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    one_rank: dict[str, Any], tmp_path: Path
 ) -> None:
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    run_ranks(
+    run_group(
         _rank_main,
-        args=(str(tmp_path / "rendezvous"), str(one_rank["folder"]), str(tmp_path)),
+        args=(str(one_rank["folder"]), str(tmp_path)),
         nprocs=WORLD,
+        rendezvous=tmp_path / "rendezvous",
     )
     _assert_equal(torch.load(tmp_path / "from_one.pt", weights_only=True), one_rank["saved"])
 
@@ -388,9 +377,27 @@ def trained_worker(group: None, tmp_path_factory: pytest.TempPathFactory) -> tup
     return worker, source
 
 
+def test_the_fsdp_worker_reports_its_layout(trained_worker: tuple[Any, Path]) -> None:
+    # What the trainer records in each rank file (RankInfo.layout), the record FSDP's
+    # files have always had: every size 1, data-parallel over the world.
+    worker, _source = trained_worker
+    layout = worker.rank_info().layout
+    assert layout == ParallelLayout(
+        backend="fsdp", world=1, tp=1, pp=1, vpp=None, ep=1, etp=1, dp=1
+    )
+    assert layout.record() == {
+        "pipeline_model_parallel_size": 1,
+        "virtual_pipeline_model_parallel_size": None,
+        "expert_model_parallel_size": 1,
+        "tensor_model_parallel_size": 1,
+        "expert_tensor_parallel_size": 1,
+    }
+
+
 def _trainer(cfg: Any, source: Path, worker: Any) -> PolicyTrainer:
     trainer = PolicyTrainer(cfg, checkpoint=str(source), pad_token_id=0)
     trainer.worker = worker
+    trainer.info = worker.rank_info()
     return trainer
 
 

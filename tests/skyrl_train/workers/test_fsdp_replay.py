@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 from _megatron_batches import random_routes
+from _ranks import one_rank_group
 from transformers import AutoModelForCausalLM
 
 from inference.errors import CheckpointFormatError
@@ -309,22 +310,17 @@ def test_hooks_survive_fully_shard_and_checkpointing(name: str) -> None:
         model.zero_grad(set_to_none=True)
         return out, recorder
 
-    dist = torch.distributed
-    created = not dist.is_initialized()
-    if created:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        plain, _ = grads()
-        mesh = init_device_mesh("cpu", (1,))
-        for layer in model.model.layers:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-        model.activation_checkpointing_enable()
-        sharded, recorder = grads()
+        with one_rank_group():
+            plain, _ = grads()
+            mesh = init_device_mesh("cpu", (1,))
+            for layer in model.model.layers:
+                fully_shard(layer, mesh=mesh)
+            fully_shard(model, mesh=mesh)
+            model.activation_checkpointing_enable()
+            sharded, recorder = grads()
     finally:
         replay.close()
-        if created:
-            dist.destroy_process_group()
     assert type(model).__name__.startswith("FSDP")
     assert recorder.gate_calls == (2,) * arch.num_moe_layers
     assert torch.equal(recorder.routes(), routes.sort(dim=-1).values)

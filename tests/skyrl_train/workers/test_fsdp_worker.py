@@ -16,7 +16,7 @@ import pytest
 import torch
 from _fsdp_pairs import build_fsdp, build_pair, layout_batch
 from _megatron_batches import PAD_ID
-from _ranks import run_ranks
+from _ranks import run_group
 from _step_checks import clipped_grads, steady_worst
 
 from inference.models.checkpoint import builtin_checkpoint
@@ -262,50 +262,40 @@ def _dp_batch() -> TrainingBatch:
 DP_STEP = dict(loss_fn=_loss, micro_batch_size=1, entropy=True)
 
 
-def _rank_main(rank: int, rendezvous: str, checkpoint: str, reference: str) -> None:
-    torch.set_num_threads(1)
+def _rank_main(rank: int, checkpoint: str, reference: str) -> None:
     want = torch.load(reference)
     batch = _dp_batch()
-    torch.distributed.init_process_group(
-        "gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=WORLD
+    # The memory keys off their defaults: the sums must not depend on them.
+    config = FSDPConfig(activation_checkpointing=True, reshard_after_forward=False)
+    worker = build_fsdp(
+        Path(checkpoint), ARCH, optimizer=OPT, pad_token_id=PAD_ID, fsdp_config=config
     )
-    try:
-        # The memory keys off their defaults: the sums must not depend on them.
-        config = FSDPConfig(activation_checkpointing=True, reshard_after_forward=False)
-        worker = build_fsdp(
-            Path(checkpoint), ARCH, optimizer=OPT, pad_token_id=PAD_ID, fsdp_config=config
-        )
-        assert worker.mesh.size() == WORLD and worker.rank_info().dp_size == WORLD
-        shard = slice_batch(batch, 2 * rank, 2 * rank + 2)
-        lp = worker.forward(shard, micro_batch_size=1).logprobs
-        assert _close(lp, want["logprobs"][2 * rank : 2 * rank + 2]) <= TOL
-        # Layers kept gathered after that forward must still see weights written to
-        # their shards after it (the reference policy's swap).
-        moved = {n: p.detach() * 1.01 for n, p in worker.named_parameters()}
-        with worker.swapped_weights(moved):
-            assert _close(worker.forward(shard, micro_batch_size=1).logprobs, lp) > 1e-4
-        assert torch.equal(worker.forward(shard, micro_batch_size=1).logprobs, lp)
-        got = worker.train_step(shard, **DP_STEP)
-        mean_loss = torch.tensor(got.loss, dtype=torch.float64)
-        torch.distributed.all_reduce(mean_loss)
-        assert abs(float(mean_loss) / WORLD - want["loss"]) <= 1e-6
-        assert abs(got.grad_norm - want["grad_norm"]) <= TOL * want["grad_norm"]
-        grads, weights = clipped_grads(worker), dict(worker.export_weights())
-        assert max(_close(grads[n], want["grads"][n]) for n in grads) <= TOL
-        assert steady_worst(weights, want["weights"], want["grads"]) <= TOL
-        # Unequal shards would hang the first all-gather: refused on both ranks.
-        with pytest.raises(ValueError, match=r"same number of microbatches .* got 1 to 2"):
-            worker.forward(slice_batch(batch, 0, 2 - rank), micro_batch_size=1)
-    finally:
-        torch.distributed.destroy_process_group()
+    assert worker.mesh.size() == WORLD and worker.rank_info().dp_size == WORLD
+    shard = slice_batch(batch, 2 * rank, 2 * rank + 2)
+    lp = worker.forward(shard, micro_batch_size=1).logprobs
+    assert _close(lp, want["logprobs"][2 * rank : 2 * rank + 2]) <= TOL
+    # Layers kept gathered after that forward must still see weights written to
+    # their shards after it (the reference policy's swap).
+    moved = {n: p.detach() * 1.01 for n, p in worker.named_parameters()}
+    with worker.swapped_weights(moved):
+        assert _close(worker.forward(shard, micro_batch_size=1).logprobs, lp) > 1e-4
+    assert torch.equal(worker.forward(shard, micro_batch_size=1).logprobs, lp)
+    got = worker.train_step(shard, **DP_STEP)
+    mean_loss = torch.tensor(got.loss, dtype=torch.float64)
+    torch.distributed.all_reduce(mean_loss)
+    assert abs(float(mean_loss) / WORLD - want["loss"]) <= 1e-6
+    assert abs(got.grad_norm - want["grad_norm"]) <= TOL * want["grad_norm"]
+    grads, weights = clipped_grads(worker), dict(worker.export_weights())
+    assert max(_close(grads[n], want["grads"][n]) for n in grads) <= TOL
+    assert steady_worst(weights, want["weights"], want["grads"]) <= TOL
+    # Unequal shards would hang the first all-gather: refused on both ranks.
+    with pytest.raises(ValueError, match=r"same number of microbatches .* got 1 to 2"):
+        worker.forward(slice_batch(batch, 0, 2 - rank), micro_batch_size=1)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_two_data_parallel_ranks_equal_one_rank(
-    checkpoint, tmp_path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+def test_two_data_parallel_ranks_equal_one_rank(checkpoint, tmp_path) -> None:
     # The one-rank reference here, on this process's one-rank group; 4 rows, one per
     # microbatch, against 2 ranks of 2.
     ref = build_fsdp(checkpoint, ARCH, optimizer=OPT, pad_token_id=PAD_ID)
@@ -320,10 +310,11 @@ def test_two_data_parallel_ranks_equal_one_rank(
         "weights": dict(ref.export_weights()),
     }
     torch.save(want, tmp_path / "reference.pt")
-    run_ranks(
+    run_group(
         _rank_main,
-        args=(str(tmp_path / "rendezvous"), str(checkpoint), str(tmp_path / "reference.pt")),
+        args=(str(checkpoint), str(tmp_path / "reference.pt")),
         nprocs=WORLD,
+        rendezvous=tmp_path / "rendezvous",
     )
 
 

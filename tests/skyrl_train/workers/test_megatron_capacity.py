@@ -26,8 +26,10 @@ MICRO = 4
 
 
 def _worker(**kwargs: Any) -> MegatronPolicyWorker:
-    config = MegatronConfig(moe_enable_routing_replay=False, transformer_config_kwargs=kwargs)
-    return MegatronPolicyWorker(CFG.architecture(), config, pad_token_id=PAD_ID).setup()
+    config = MegatronConfig(transformer_config_kwargs=kwargs)
+    return MegatronPolicyWorker(
+        CFG.architecture(), config, pad_token_id=PAD_ID, routing_replay=False
+    ).setup()
 
 
 def _batch() -> TrainingBatch:

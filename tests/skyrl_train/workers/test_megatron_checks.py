@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 import torch
-from _megatron_batches import make_batch
+from _megatron_batches import make_batch, random_routes
 
 from inference.models.tiny_moe import TinyMoEConfig
 from skyrl_train.config import refuse_replay_incompatible
@@ -400,3 +400,22 @@ def test_each_data_parallel_rank_gets_only_its_rows_and_routes() -> None:
     assert shard.routed_experts[:, 0, 0, 0].tolist() == [2, 3]
     with pytest.raises(ValueError, match="batch_size"):
         shard_for_data_parallel_rank(batch, rank=0, world_size=3)
+
+
+def test_the_worker_replays_by_its_routing_replay_argument_alone() -> None:
+    # A Python-built node may still hold the deprecated alias: one that disagrees with
+    # the argument is refused, not silently overridden, before anything is built.
+    with pytest.raises(ConfigValidationError) as err:
+        MegatronPolicyWorker(
+            ARCH, MegatronConfig(moe_enable_routing_replay=True), routing_replay=False
+        )
+    assert err.value.path == f"{KEY}.moe_enable_routing_replay"
+    off = MegatronPolicyWorker(ARCH, MegatronConfig(), routing_replay=False).setup()
+    assert off.routers is not None and not off.routers.replay_enabled
+    L, E, K = CFG.num_layers, CFG.num_experts, CFG.num_experts_per_tok
+    routes = [random_routes(1, 3, L, E, K, seed=0)[0, :2]]
+    batch = make_batch([[72, 105]], [[33]], num_layers=L, top_k=K, routes=routes)
+    # Both backends refuse a replay naming the one key the run sets.
+    with pytest.raises(RouteReplayError, match=r"^trainer\.policy\.routing_replay\.enabled: "):
+        off.forward(batch, replay_routes=True)
+    assert off.forward(batch, capture_routes=True).routes is not None  # native routing runs

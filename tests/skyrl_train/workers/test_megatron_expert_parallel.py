@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from _megatron_batches import PAD_ID, hf_response_logprobs, make_batch, random_routes
-from _ranks import run_ranks
+from _ranks import run_group
 
 from inference.models.tiny_moe import TinyMoEConfig, build_hf_model
 from skyrl_train.config.schema import MegatronConfig
@@ -27,53 +27,45 @@ def _full_batch(seq_routes: bool):
     return make_batch(prompts, responses, num_layers=L, top_k=K, routes=routes)
 
 
-def _rank_main(rank: int, rendezvous: str) -> None:
-    torch.set_num_threads(1)
-    # A file rendezvous: no port to race other test processes for.
-    torch.distributed.init_process_group(
-        "gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=WORLD
-    )
-    try:
-        from skyrl_train.dataset.batch import shard_for_data_parallel_rank
-        from skyrl_train.workers.megatron import MegatronPolicyWorker
+def _rank_main(rank: int) -> None:
+    from skyrl_train.dataset.batch import shard_for_data_parallel_rank
+    from skyrl_train.workers.megatron import MegatronPolicyWorker
 
-        worker = MegatronPolicyWorker(
-            ARCH,
-            MegatronConfig(moe_enable_routing_replay=True, expert_model_parallel_size=WORLD),
-            pad_token_id=PAD_ID,
-        ).setup()
-        assert len(worker.model.decoder.layers[0].mlp.experts.local_experts) == E // WORLD
-        hf = build_hf_model(CFG, seed=1)
-        worker.load_weights(hf.state_dict().items())
+    worker = MegatronPolicyWorker(
+        ARCH,
+        MegatronConfig(moe_enable_routing_replay=True, expert_model_parallel_size=WORLD),
+        pad_token_id=PAD_ID,
+    ).setup()
+    assert len(worker.model.decoder.layers[0].mlp.experts.local_experts) == E // WORLD
+    hf = build_hf_model(CFG, seed=1)
+    worker.load_weights(hf.state_dict().items())
 
-        # Expert-parallel forward equals the HF model on this rank's rows.
-        shard = shard_for_data_parallel_rank(_full_batch(False), rank=rank, world_size=WORLD)
-        got = worker.forward(shard).logprobs
-        assert (got - hf_response_logprobs(hf, shard)).abs().max().item() <= 1e-4
+    # Expert-parallel forward equals the HF model on this rank's rows.
+    shard = shard_for_data_parallel_rank(_full_batch(False), rank=rank, world_size=WORLD)
+    got = worker.forward(shard).logprobs
+    assert (got - hf_response_logprobs(hf, shard)).abs().max().item() <= 1e-4
 
-        # Replay of random routes: every real token and layer dispatches as given.
-        full = _full_batch(True)
-        shard = shard_for_data_parallel_rank(full, rank=rank, world_size=WORLD)
-        assert torch.equal(shard.routed_experts, full.routed_experts[2 * rank : 2 * rank + 2])
-        result = worker.forward(shard, capture_routes=True)
-        real = ~shard.router_padding_mask
-        assert torch.equal(result.routes[real], shard.routed_experts.sort(-1).values[real])
+    # Replay of random routes: every real token and layer dispatches as given.
+    full = _full_batch(True)
+    shard = shard_for_data_parallel_rank(full, rank=rank, world_size=WORLD)
+    assert torch.equal(shard.routed_experts, full.routed_experts[2 * rank : 2 * rank + 2])
+    result = worker.forward(shard, capture_routes=True)
+    real = ~shard.router_padding_mask
+    assert torch.equal(result.routes[real], shard.routed_experts.sort(-1).values[real])
 
-        # A replayed train step syncs gradients and updates; export gathers all experts.
-        step = worker.train_step(shard, loss_fn=lambda lp, mb: -lp.sum(), micro_batch_size=1)
-        assert step.replayed and step.num_microbatches == 2 and step.grad_norm > 0
-        exported = dict(worker.export_weights())
-        gate_up = exported["model.layers.0.mlp.experts.gate_up_proj"]
-        assert gate_up.shape == (E, 2 * CFG.moe_intermediate_size, CFG.hidden_size)
-        embed = exported["model.embed_tokens.weight"]
-        others = [torch.empty_like(embed) for _ in range(WORLD)]
-        torch.distributed.all_gather(others, embed)
-        assert torch.equal(others[0], others[1])  # dense grads were averaged across ranks
-        gathered = [torch.empty_like(gate_up) for _ in range(WORLD)]
-        torch.distributed.all_gather(gathered, gate_up)
-        assert torch.equal(gathered[0], gathered[1])
-    finally:
-        torch.distributed.destroy_process_group()
+    # A replayed train step syncs gradients and updates; export gathers all experts.
+    step = worker.train_step(shard, loss_fn=lambda lp, mb: -lp.sum(), micro_batch_size=1)
+    assert step.replayed and step.num_microbatches == 2 and step.grad_norm > 0
+    exported = dict(worker.export_weights())
+    gate_up = exported["model.layers.0.mlp.experts.gate_up_proj"]
+    assert gate_up.shape == (E, 2 * CFG.moe_intermediate_size, CFG.hidden_size)
+    embed = exported["model.embed_tokens.weight"]
+    others = [torch.empty_like(embed) for _ in range(WORLD)]
+    torch.distributed.all_gather(others, embed)
+    assert torch.equal(others[0], others[1])  # dense grads were averaged across ranks
+    gathered = [torch.empty_like(gate_up) for _ in range(WORLD)]
+    torch.distributed.all_gather(gathered, gate_up)
+    assert torch.equal(gathered[0], gathered[1])
 
 
 # The wall-clock limit is there to catch a hang, not to time start-up. Over 90% of
@@ -86,8 +78,5 @@ def _rank_main(rank: int, rendezvous: str) -> None:
 # were still progressing (mid-forward), not hung. So the limit is the suite's 600 s,
 # stated here so that lowering the suite default does not bring the flake back.
 @pytest.mark.timeout(600)
-def test_two_process_expert_parallel_replay(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
-    # Spawned ranks read the environment when they import torch: set it for them
-    # explicitly (and restore it afterwards) instead of relying on the caller's shell.
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    run_ranks(_rank_main, args=(str(tmp_path / "rendezvous"),), nprocs=WORLD)
+def test_two_process_expert_parallel_replay(tmp_path) -> None:
+    run_group(_rank_main, args=(), nprocs=WORLD, rendezvous=tmp_path / "rendezvous")

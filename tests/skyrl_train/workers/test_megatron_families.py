@@ -58,10 +58,9 @@ class Case:
         # Built first, with replay off: building a model resets Megatron's process-global
         # router registry, which would orphan the replaying worker's routers.
         self.blank = MegatronPolicyWorker(
-            self.arch, MegatronConfig(moe_enable_routing_replay=False), seed=5
+            self.arch, MegatronConfig(), seed=5, routing_replay=False
         ).setup()
-        replaying = MegatronConfig(moe_enable_routing_replay=True)
-        self.worker = MegatronPolicyWorker(self.arch, replaying).setup()
+        self.worker = MegatronPolicyWorker(self.arch, MegatronConfig(), routing_replay=True).setup()
         self.loaded = self.worker.load_weights(self.hf.named_parameters())
 
 
@@ -129,6 +128,38 @@ def test_tensors_a_layer_does_not_have_or_cannot_take_are_refused(case: Case) ->
         ValueError, match=r"^model.layers.0.self_attn.k_proj.weight.shape: expected \(16, 48\)"
     ):
         case.blank.load_weights([("model.layers.0.self_attn.k_proj.weight", k[:-1])])
+
+
+def test_a_load_takes_the_tensors_in_any_order(case: Case) -> None:
+    # Fused parts (q/k/v, [gate; up]) arrive after their siblings here: a checkpoint's
+    # shards or the engine's stream need not keep transformers' order.
+    exported = list(case.worker.export_weights())
+    assert case.blank.load_weights(reversed(exported)) == len(exported)
+    again = dict(case.blank.export_weights())
+    assert all(torch.equal(again[name], tensor) for name, tensor in exported)
+
+
+def test_fused_parts_wait_for_their_siblings_and_name_the_missing_ones() -> None:
+    from inference.models.families import family_named
+    from skyrl_train.workers.megatron.hf_tables import FusedParts, fuse_qkv, fused_entries
+
+    arch = TinyMoEConfig().architecture()
+    parts = FusedParts(fused_entries(arch, family_named(arch.family)))
+    qkv = "self_attention.linear_qkv.weight"
+    rows = parts.entries[qkv].part_rows(torch.empty(0))
+    q, k, v = (torch.randn(r, arch.hidden_size) for r in rows)
+    assert parts.add(1, qkv, 2, v) is None and parts.add(1, qkv, 0, q) is None
+    whole = parts.add(1, qkv, 1, k)
+    assert whole is not None and torch.equal(whole, fuse_qkv(q, k, v, arch))
+    parts.check_complete()
+    assert parts.add(2, qkv, 1, k) is None
+    with pytest.raises(
+        ValueError,
+        match=r"^model.layers.2: expected all of \['self_attn.q_proj.weight', "
+        r"'self_attn.k_proj.weight', 'self_attn.v_proj.weight'\] \(fused into "
+        r"self_attention.linear_qkv.weight\), got only \['self_attn.k_proj.weight'\]$",
+    ):
+        parts.check_complete()
 
 
 def _engine_rollout(case: Case):
@@ -225,9 +256,9 @@ def test_the_builtin_model_builds_as_it_did_from_one_local_spec() -> None:
 
     cfg = TinyMoEConfig()
     arch = cfg.architecture()
-    mc = MegatronConfig(moe_enable_routing_replay=False)
-    worker = MegatronPolicyWorker(arch, mc).setup()  # parallel state
-    config = build_transformer_config(arch, mc)
+    mc = MegatronConfig()
+    worker = MegatronPolicyWorker(arch, mc, routing_replay=False).setup()  # parallel state
+    config = build_transformer_config(arch, mc, routing_replay=False)
     (chunk,) = build_model_chunks(arch, config, seed=3)
     built = chunk.state_dict()
     torch.manual_seed(3)

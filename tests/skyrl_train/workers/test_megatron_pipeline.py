@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 from _megatron_batches import PAD_ID, make_batch, random_routes
-from _ranks import run_ranks
+from _ranks import run_group
 from _reshard_checks import PAIRS, reshard_checks
 
 from inference.models.tiny_moe import TinyMoEConfig, build_hf_model
@@ -225,16 +225,8 @@ class RecomputeAudit:
             handle.remove()
 
 
-def _rank_main(rank: int, rendezvous: str, schedule: str, out: str) -> None:
-    torch.set_num_threads(1)
-    # A file rendezvous: no port to race other test processes for.
-    torch.distributed.init_process_group(
-        "gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=STAGES
-    )
-    try:
-        torch.save(_rank_checks(rank, SCHEDULES[schedule], Path(out)), Path(out) / f"{rank}.pt")
-    finally:
-        torch.distributed.destroy_process_group()
+def _rank_main(rank: int, schedule: str, out: str) -> None:
+    torch.save(_rank_checks(rank, SCHEDULES[schedule], Path(out)), Path(out) / f"{rank}.pt")
 
 
 def _rank_checks(rank: int, vpp: int | None, out: Path) -> dict[str, Any]:
@@ -346,13 +338,9 @@ def _held_by_stage(name: str, layers: Sequence[int], *, first: bool, last: bool)
 def _launch(
     schedule: str, folder: Path, *, main: Callable[..., None] = _rank_main, nprocs: int = STAGES
 ) -> list[dict[str, Any]]:
-    """``main(rank, rendezvous, schedule, folder)`` on ``nprocs`` processes; what each
-    saved as ``folder/<rank>.pt``."""
-    run_ranks(
-        main,
-        args=(str(folder / "rendezvous"), schedule, str(folder)),
-        nprocs=nprocs,
-    )
+    """``main(rank, schedule, folder)`` on ``nprocs`` ranks of one group (``run_group``);
+    what each saved as ``folder/<rank>.pt``."""
+    run_group(main, args=(schedule, str(folder)), nprocs=nprocs, rendezvous=folder / "rendezvous")
     return [torch.load(folder / f"{rank}.pt", weights_only=False) for rank in range(nprocs)]
 
 
@@ -388,22 +376,19 @@ def deep_reference() -> dict[int, dict[str, Any]]:
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     """``ranks(schedule)``: both ranks' reports, from one launch per schedule."""
     launched: dict[str, list[dict[str, Any]] | Exception] = {}
-    with pytest.MonkeyPatch.context() as monkeypatch:
-        # Spawned ranks read the environment when they import torch.
-        monkeypatch.setenv("OMP_NUM_THREADS", "1")
 
-        def get(schedule: str) -> list[dict[str, Any]]:
-            if schedule not in launched:
-                try:
-                    launched[schedule] = _launch(schedule, tmp_path_factory.mktemp(schedule))
-                except Exception as exc:  # one failed launch, not one per test
-                    launched[schedule] = exc
-            got = launched[schedule]
-            if isinstance(got, Exception):
-                raise RuntimeError(f"the {schedule} launch failed: {got}") from got
-            return got
+    def get(schedule: str) -> list[dict[str, Any]]:
+        if schedule not in launched:
+            try:
+                launched[schedule] = _launch(schedule, tmp_path_factory.mktemp(schedule))
+            except Exception as exc:  # one failed launch, not one per test
+                launched[schedule] = exc
+        got = launched[schedule]
+        if isinstance(got, Exception):
+            raise RuntimeError(f"the {schedule} launch failed: {got}") from got
+        return got
 
-        yield get
+    yield get
 
 
 def _assert_close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:

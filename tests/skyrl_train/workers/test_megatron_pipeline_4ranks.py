@@ -65,26 +65,19 @@ def _worker(layout: dict[str, int]) -> Any:
     ).setup()
 
 
-def _rank_main(rank: int, rendezvous: str, _name: str, out: str) -> None:
-    torch.set_num_threads(1)
-    torch.distributed.init_process_group(
-        "gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=WORLD
-    )
-    try:
-        hf_state = build_hf_model(CFG, seed=1).state_dict()
-        results = {}
-        for name, layout in LAYOUTS.items():
-            # Each worker rebuilds parallel state for its layout in the same group.
-            worker = _worker(layout)
-            worker.load_weights(hf_state.items())
-            got = _forward_and_step(worker, _batch())
-            del got["grads"]  # sharded differently per layout; the norm sums them
-            results[name] = got
-            if name == "tp2xep2xetp2":
-                results["etp_resume"] = _resume_at_etp_1(worker, rank, Path(out))
-        torch.save(results, Path(out) / f"{rank}.pt")
-    finally:
-        torch.distributed.destroy_process_group()
+def _rank_main(rank: int, _name: str, out: str) -> None:
+    hf_state = build_hf_model(CFG, seed=1).state_dict()
+    results = {}
+    for name, layout in LAYOUTS.items():
+        # Each worker rebuilds parallel state for its layout in the same group.
+        worker = _worker(layout)
+        worker.load_weights(hf_state.items())
+        got = _forward_and_step(worker, _batch())
+        del got["grads"]  # sharded differently per layout; the norm sums them
+        results[name] = got
+        if name == "tp2xep2xetp2":
+            results["etp_resume"] = _resume_at_etp_1(worker, rank, Path(out))
+    torch.save(results, Path(out) / f"{rank}.pt")
 
 
 def _resume_at_etp_1(saved: Any, rank: int, out: Path) -> dict[str, Any]:
@@ -93,12 +86,13 @@ def _resume_at_etp_1(saved: Any, rank: int, out: Path) -> dict[str, Any]:
     after, and the resumed worker's forward and step."""
     from _reshard_checks import _hf_state
 
-    from skyrl_train.runs.rank_state import checkpoint_file, layout_record, save_rank_state
-    from skyrl_train.runs.reshard import rank_checkpoint, restore_rank
+    from skyrl_train.runs.rank_file import checkpoint_file, save_rank_state
+    from skyrl_train.runs.resume import rank_checkpoint, restore_rank
+    from skyrl_train.workers.megatron.placement import parallel_layout
 
     folder = out / "etp2"
     folder.mkdir(exist_ok=True)
-    layout = layout_record(MegatronConfig(**LAYOUTS["tp2xep2xetp2"]))
+    layout = parallel_layout(MegatronConfig(**LAYOUTS["tp2xep2xetp2"]), world=WORLD).record()
     state = rank_checkpoint(saved, world_size=WORLD, layout=layout)
     save_rank_state(checkpoint_file(folder, rank), state)
     want = _hf_state(saved)
@@ -107,7 +101,11 @@ def _resume_at_etp_1(saved: Any, rank: int, out: Path) -> dict[str, Any]:
     # The checkpoint's weights only through the reshard: these are another seed's.
     worker.load_weights(build_hf_model(CFG, seed=2).state_dict().items())
     done = restore_rank(
-        folder, worker, rank=rank, world_size=WORLD, layout=layout_record(MegatronConfig(**ETP_1))
+        folder,
+        worker,
+        rank=rank,
+        world_size=WORLD,
+        layout=parallel_layout(MegatronConfig(**ETP_1), world=WORLD).record(),
     )
     got = _hf_state(worker)
     step = _forward_and_step(worker, _batch())
@@ -117,9 +115,7 @@ def _resume_at_etp_1(saved: Any, rank: int, out: Path) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def reports(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    with pytest.MonkeyPatch.context() as monkeypatch:
-        monkeypatch.setenv("OMP_NUM_THREADS", "1")
-        return launch("four", tmp_path_factory.mktemp("four"), main=_rank_main, nprocs=WORLD)
+    return launch("four", tmp_path_factory.mktemp("four"), main=_rank_main, nprocs=WORLD)
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,9 @@ replayed in every update, 2 epochs x 2 mini-batches, with or without rollout rou
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -68,8 +70,27 @@ def test_r2_replays_the_recorded_routes_in_every_update(tmp_path, with_rollout_r
     trainer = _trainer(tmp_path)
     batch = _batch(with_rollout_routes=with_rollout_routes)
     rollout_routes = batch.routed_experts  # type: ignore[attr-defined]
+    # train leaves the caller's batch as it came: the recorded routes are the first
+    # (old-logprob) forward's capture, replayed on a copy with only padding masked.
+    captured: list[torch.Tensor | None] = []
+    forward = trainer.worker.forward
+
+    def recording_forward(*args: Any, **kwargs: Any) -> Any:
+        result = forward(*args, **kwargs)
+        captured.append(result.routes)
+        return result
+
+    trainer.worker.forward = recording_forward  # type: ignore[method-assign]
 
     metrics = trainer.train(batch, step=1)  # type: ignore[arg-type]
+
+    trainer.worker.forward = forward  # type: ignore[method-assign]
+    assert captured[0] is not None
+    batch = dataclasses.replace(
+        batch,  # type: ignore[type-var]
+        routed_experts=captured[0],
+        router_padding_mask=~batch.attention_mask.bool(),  # type: ignore[attr-defined]
+    )
 
     assert metrics["train/optimizer_steps"] == 4.0
     real_tokens = float(batch.attention_mask.sum())  # type: ignore[attr-defined]

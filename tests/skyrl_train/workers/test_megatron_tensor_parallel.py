@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import torch
 from _megatron_batches import PAD_ID, make_batch, random_routes
-from _ranks import run_ranks
+from _ranks import run_group
 from _step_checks import clipped_grads, steady, steady_worst
 
 from inference.models.tiny_moe import TinyMoEConfig, build_hf_model
@@ -185,22 +185,15 @@ def _close(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max())
 
 
-def _rank_main(rank: int, rendezvous: str) -> None:
-    torch.set_num_threads(1)
-    torch.distributed.init_process_group(
-        "gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=WORLD
-    )
-    try:
-        for name in CASES:
-            arch, hf_state = _checkpoint(name)
-            ref = _run_case(arch, {}, hf_state)
-            for layout, (settings, cases) in LAYOUTS.items():
-                if name in cases:
-                    got = _run_case(arch, settings, hf_state)
-                    _compare(f"{name} {layout}", rank, hf_state, ref, got)
-        _odd_vocabularies(rank)
-    finally:
-        torch.distributed.destroy_process_group()
+def _rank_main(rank: int) -> None:
+    for name in CASES:
+        arch, hf_state = _checkpoint(name)
+        ref = _run_case(arch, {}, hf_state)
+        for layout, (settings, cases) in LAYOUTS.items():
+            if name in cases:
+                got = _run_case(arch, settings, hf_state)
+                _compare(f"{name} {layout}", rank, hf_state, ref, got)
+    _odd_vocabularies(rank)
 
 
 def _odd_vocabularies(rank: int) -> None:
@@ -285,10 +278,9 @@ def _compare(name: str, rank: int, hf_state: dict[str, torch.Tensor], ref: dict,
 # dominates and scales with the machine's load).
 @pytest.mark.timeout(600)
 def test_tensor_parallel_with_sequence_parallel_matches_one_rank(
-    tmp_path, monkeypatch: pytest.MonkeyPatch
+    tmp_path,
 ) -> None:
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    run_ranks(_rank_main, args=(str(tmp_path / "rendezvous"),), nprocs=WORLD)
+    run_group(_rank_main, args=(), nprocs=WORLD, rendezvous=tmp_path / "rendezvous")
 
 
 def test_each_sequence_parallel_rank_gets_its_own_contiguous_slice_sequence_first() -> None:
@@ -345,3 +337,59 @@ def test_expert_gradients_add_up_over_expert_data_parallel_ranks_without_dense_o
     average_data_parallel_grads([dense, expert])
     assert reduced == [dense_group, expert_group]
     assert dense.grad.tolist() == expert.grad.tolist() == [1.0] * 3
+
+
+def test_one_function_names_a_parameters_tensor_parallel_group_for_every_caller(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # TP=2 with ETP=1: a dense shard spans the dense group, an expert shard the expert
+    # one, and the norm's reduction asks the same function as loading and export do.
+    from megatron.core import parallel_state
+
+    from skyrl_train.workers.megatron.gradients import clip_grad_norm
+    from skyrl_train.workers.megatron.tensor_parallel import tensor_parallel_of
+
+    dense_group, expert_group = object(), object()
+    answers = {
+        "tensor_model_parallel_rank": 1,
+        "tensor_model_parallel_world_size": 2,
+        "tensor_model_parallel_group": dense_group,
+        "expert_tensor_parallel_rank": 0,
+        "expert_tensor_parallel_world_size": 1,
+        "expert_tensor_parallel_group": expert_group,
+        "expert_model_parallel_world_size": 1,
+    }
+    for name, value in answers.items():
+        monkeypatch.setattr(parallel_state, f"get_{name}", lambda v=value: v)
+    whole, dense, expert = (torch.nn.Parameter(torch.ones(2)) for _ in range(3))
+    dense.tensor_model_parallel = expert.tensor_model_parallel = True  # type: ignore[attr-defined]
+    expert.allreduce = False  # type: ignore[attr-defined]  # how megatron-core marks experts
+    assert tuple(tensor_parallel_of(whole)) == (0, 1, None)
+    assert tuple(tensor_parallel_of(dense)) == (1, 2, dense_group)
+    assert tuple(tensor_parallel_of(expert)) == (0, 1, expert_group)
+    reduced: list[object] = []
+    monkeypatch.setattr(torch.distributed, "all_reduce", lambda t, group: reduced.append(group))
+    for p in (whole, dense, expert):
+        p.grad = torch.ones(2)
+    pipeline = SimpleNamespace(sum_over_stages=lambda sq: sq)
+    norm = clip_grad_norm([whole, dense, expert], max_norm=0.0, pipeline=pipeline)  # type: ignore[arg-type]
+    assert reduced == [dense_group]  # the expert group has one rank: nothing to add
+    assert norm == pytest.approx(6**0.5)
+
+
+def test_only_tensor_parallel_py_reads_a_parameters_tensor_parallel_markers() -> None:
+    # Two readers of megatron-core's markers gave two answers to which group a
+    # parameter spans (issue 50); every caller now asks tensor_parallel.py.
+    import re
+    from pathlib import Path
+
+    import skyrl_train
+
+    marker = re.compile(r"""["'](allreduce|tensor_model_parallel)["']""")
+    root = Path(skyrl_train.__file__).parent
+    readers = sorted(
+        str(path.relative_to(root))
+        for path in root.rglob("*.py")
+        if marker.search(path.read_text(encoding="utf-8"))
+    )
+    assert readers == ["workers/megatron/tensor_parallel.py"]

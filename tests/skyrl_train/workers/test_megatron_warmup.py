@@ -20,9 +20,10 @@ def _worker(warmup: int) -> MegatronPolicyWorker:
     torch.set_num_threads(1)
     return MegatronPolicyWorker(
         CFG.architecture(),
-        MegatronConfig(moe_enable_routing_replay=False),
+        MegatronConfig(),
         optimizer=OptimizerConfig(lr=LR, num_warmup_steps=warmup),
         pad_token_id=PAD_ID,
+        routing_replay=False,
     ).setup()
 
 

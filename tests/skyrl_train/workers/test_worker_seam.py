@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from skyrl_train.config.schema import PPOConfig
-from skyrl_train.runs.reshard import Checkpointable
+from skyrl_train.runs.rank_contract import Checkpointable
 from skyrl_train.workers.base import PolicyWorker
 from skyrl_train.workers.factory import STRATEGIES, build_worker
 
