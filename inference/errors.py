@@ -46,11 +46,16 @@ class InferenceError(Exception):
     """Root of every exception the ``inference`` package defines."""
 
     def __reduce__(self) -> tuple[Any, ...]:
-        # Exceptions pickle as ``cls(*args)``, which these constructors (several
-        # arguments, keyword-only options) cannot take: one raised in a Ray actor
-        # reached the caller as Ray's UnserializableException. Rebuilt from its
-        # attributes instead, without calling ``__init__`` again.
-        return (_rebuild, (type(self), self.args, self.__dict__))
+        return reduce_by_attributes(self)
+
+
+def reduce_by_attributes(err: BaseException) -> tuple[Any, ...]:
+    """``err.__reduce__`` for an exception tree whose constructors take other arguments
+    than its ``args`` (this one's, ``skyrl_train.errors``'): exceptions pickle as
+    ``cls(*args)``, which those constructors cannot take, so one raised in a Ray actor
+    reached the caller as Ray's UnserializableException. Rebuilt from its attributes
+    instead, without calling ``__init__`` again."""
+    return (_rebuild, (type(err), err.args, err.__dict__))
 
 
 def _rebuild(cls: type[BaseException], args: tuple[Any, ...], state: dict[str, Any]) -> Any:

@@ -37,23 +37,16 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from inference.errors import reduce_by_attributes
+
 
 class SkyRLTrainError(Exception):
     """Root of every exception the ``skyrl_train`` package defines."""
 
     def __reduce__(self) -> tuple[Any, ...]:
-        # Exceptions pickle as ``cls(*args)``, which keyword-only constructors cannot
-        # take: an error raised in a Ray trainer rank reached the driver as Ray's
-        # UnserializableException, and ``except SkyRLTrainError`` missed it. Rebuilt
-        # from its attributes instead, without calling ``__init__`` again.
-        return (_rebuild, (type(self), self.args, self.__dict__))
-
-
-def _rebuild(cls: type[BaseException], args: tuple[Any, ...], state: dict[str, Any]) -> Any:
-    err = cls.__new__(cls, *args)
-    err.args = args
-    err.__dict__.update(state)
-    return err
+        # A trainer rank's error reached the driver as Ray's UnserializableException,
+        # and ``except SkyRLTrainError`` missed it (``reduce_by_attributes``).
+        return reduce_by_attributes(self)
 
 
 def _reason(reason: str | None, expected: str | None, got: str | None) -> str:

@@ -81,14 +81,12 @@ def test_one_shard_is_the_algorithms_scoring_bit_for_bit() -> None:
     assert torch.equal(alone, lp)
 
 
-def _run_shard(
-    rank: int, store: Any, logits: torch.Tensor, weights: torch.Tensor, out: dict[int, Any]
-) -> None:
+def _run_shard(rank: int, store: Any, case: tuple[Any, ...], out: dict[int, Any]) -> None:
+    logits, weights, batch, real = case
     try:
         group = torch.distributed.ProcessGroupGloo(store, rank, 2, timedelta(seconds=60))
-        batch = _batch()
         mine = logits[..., rank * HALF : (rank + 1) * HALF].detach().clone().requires_grad_(True)
-        shard = VocabShard(start=rank * HALF, size=HALF, vocab=V, group=group)
+        shard = VocabShard(start=rank * HALF, size=HALF, vocab=V, group=group, real_vocab=real)
         sampler = SamplerReplay(temperature=0.7, support=batch.sample_support)
         lp, ent = response_logprobs_and_entropy(
             mine, make_contiguous(batch), batch.response_mask, sampler=sampler, shard=shard
@@ -100,6 +98,23 @@ def _run_shard(
         out[rank] = error
 
 
+def _on_two_shards(
+    logits: torch.Tensor, weights: torch.Tensor, batch: TrainingBatch, real: int | None = None
+) -> dict[int, Any]:
+    """Each half of the vocabulary's (log-probs, entropy, logit gradient), two gloo ranks
+    on threads; ``real``: the checkpoint's vocabulary when the rows past it are padding."""
+    store = torch.distributed.HashStore()
+    out: dict[int, Any] = {}
+    case = (logits, weights, batch, real)
+    threads = [threading.Thread(target=_run_shard, args=(r, store, case, out)) for r in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert all(isinstance(out.get(r), tuple) for r in range(2)), out
+    return out
+
+
 def test_two_vocabulary_shards_equal_the_whole_vocabulary() -> None:
     if not torch.distributed.is_initialized():
         # megatron-core's reduce reads the default group's state before using ours.
@@ -107,16 +122,7 @@ def test_two_vocabulary_shards_equal_the_whole_vocabulary() -> None:
     batch = _batch()
     logits = torch.randn(2, 6, V, generator=torch.Generator().manual_seed(1)) * 3
     weights = torch.randn(2, 3, generator=torch.Generator().manual_seed(2))
-    store = torch.distributed.HashStore()
-    out: dict[int, Any] = {}
-    threads = [
-        threading.Thread(target=_run_shard, args=(r, store, logits, weights, out)) for r in range(2)
-    ]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=120)
-    assert all(isinstance(out.get(r), tuple) for r in range(2)), out
+    out = _on_two_shards(logits, weights, batch)
 
     full = logits.clone().requires_grad_(True)
     layout = make_contiguous(batch)
@@ -146,22 +152,6 @@ def _within(batch: TrainingBatch, real: int) -> TrainingBatch:
     support = torch.where(batch.sample_support >= 0, batch.sample_support % real, -1)
     support[0, 1] = -1
     return dataclasses.replace(batch, sequences=batch.sequences % real, sample_support=support)
-
-
-def _padded_shard(rank: int, store: Any, case: tuple[Any, ...], out: dict[int, Any]) -> None:
-    logits, weights, batch, real = case
-    try:
-        group = torch.distributed.ProcessGroupGloo(store, rank, 2, timedelta(seconds=60))
-        mine = logits[..., rank * HALF : (rank + 1) * HALF].detach().clone().requires_grad_(True)
-        shard = VocabShard(start=rank * HALF, size=HALF, vocab=V, group=group, real_vocab=real)
-        sampler = SamplerReplay(temperature=0.7, support=batch.sample_support)
-        lp, ent = response_logprobs_and_entropy(
-            mine, make_contiguous(batch), batch.response_mask, sampler=sampler, shard=shard
-        )
-        (lp * weights).sum().add((ent * weights.flip(0)).sum()).backward()
-        out[rank] = (lp.detach(), ent.detach(), mine.grad)
-    except BaseException as error:  # surfaced by the main thread's assertion
-        out[rank] = error
 
 
 @pytest.mark.parametrize("real", [11, 5])
@@ -203,15 +193,7 @@ def test_padded_ids_never_count_in_log_probs_entropy_or_gradients(real: int) -> 
     assert torch.isfinite(lp).all() and torch.isfinite(ent).all()
 
     # Two shards, the padding on the last one (TP=2).
-    store = torch.distributed.HashStore()
-    out: dict[int, Any] = {}
-    case = (logits, weights, batch, real)
-    threads = [threading.Thread(target=_padded_shard, args=(r, store, case, out)) for r in range(2)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=120)
-    assert all(isinstance(out.get(r), tuple) for r in range(2)), out
+    out = _on_two_shards(logits, weights, batch, real)
     for rank in range(2):
         got_lp, got_ent, got_grad = out[rank]
         assert torch.allclose(got_lp, want_lp.detach(), atol=1e-6)
