@@ -118,6 +118,21 @@ class TinySizes:
     """As the built-in model: a sharp random router, so R3 has near-ties to fix."""
 
 
+LAYOUT_TEST_SIZES = TinySizes(
+    hidden_size=64,
+    num_layers=8,
+    num_attention_heads=8,
+    num_kv_heads=4,
+    num_experts=8,
+    num_experts_per_tok=2,
+    dense_ffn_hidden_size=64,
+    shared_expert_ffn_hidden_size=32,
+)
+"""``TinySizes`` with room for TP=4, EP=8, PP=4 and PP x VPP in every family (as
+``tiny_moe.LAYOUT_TEST_MODEL`` for the built-in model): heads, KV heads, experts, MLP
+widths and the 512-id vocabulary divide by 4 (and 8 where EP or the vocabulary splits)."""
+
+
 @dataclass(frozen=True)
 class Family:
     """One Hugging Face MoE family: how to read its config and where its weights live.

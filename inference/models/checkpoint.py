@@ -32,6 +32,7 @@ __all__ = [
     "default_cache_dir",
     "inspect_checkpoint",
     "load_checkpoint_tokenizer",
+    "read_config",
 ]
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
@@ -58,11 +59,15 @@ class CheckpointInfo:
         return len(self.tokenizer)
 
 
-def _require_folder(path: Path) -> None:
+def _require_config(path: Path) -> None:
     if not path.is_dir():
         raise CheckpointFormatError("folder", "an existing checkpoint folder", f"{path}: not found")
     if not (path / "config.json").is_file():
         raise CheckpointFormatError("config.json", f"a file in {str(path)!r}", "none")
+
+
+def _require_folder(path: Path) -> None:
+    _require_config(path)
     if not any(path.glob("*.safetensors")):
         raise CheckpointFormatError(
             "*.safetensors", f"weights as safetensors in {str(path)!r}", "none"
@@ -107,18 +112,16 @@ def _eos_ids(path: Path, tokenizer: Any) -> tuple[int, ...]:
     return (int(tokenizer.eos_token_id),)
 
 
-def inspect_checkpoint(folder: str | Path) -> CheckpointInfo:
-    """Reads and checks a checkpoint folder's small files; loads no weights.
-
-    Raises ``CheckpointFormatError`` naming the file and field: a missing file, an
-    ``architectures`` value no family supports (the message lists those that are),
-    a config the family cannot map, a tokenizer larger than the embedding, EOS ids
-    outside the vocabulary, or more experts than the widest route dtype holds.
-    """
+def read_config(folder: str | Path) -> tuple[Any, Family, MoEArchitecture]:
+    """A folder's ``config.json`` alone, as transformers reads it, with its family and
+    architecture: a checkpoint's shapes without its tokenizer or weights, for checking a
+    launch config against a model that is not on this machine
+    (``skyrl_train.entrypoints.check_config``). Raises ``CheckpointFormatError`` as
+    ``inspect_checkpoint`` does for the config's own faults."""
     from transformers import AutoConfig
 
     path = Path(folder)
-    _require_folder(path)
+    _require_config(path)
     try:
         hf_config = AutoConfig.from_pretrained(str(path), local_files_only=True)
     except (OSError, ValueError, KeyError) as exc:
@@ -131,6 +134,20 @@ def inspect_checkpoint(folder: str | Path) -> CheckpointInfo:
             f"<= {_MAX_EXPERTS} (expert ids must fit int32, the widest route dtype)",
             arch.num_experts,
         )
+    return hf_config, family, arch
+
+
+def inspect_checkpoint(folder: str | Path) -> CheckpointInfo:
+    """Reads and checks a checkpoint folder's small files; loads no weights.
+
+    Raises ``CheckpointFormatError`` naming the file and field: a missing file, an
+    ``architectures`` value no family supports (the message lists those that are),
+    a config the family cannot map, a tokenizer larger than the embedding, EOS ids
+    outside the vocabulary, or more experts than the widest route dtype holds.
+    """
+    path = Path(folder)
+    _require_folder(path)
+    hf_config, family, arch = read_config(path)
     tokenizer = load_checkpoint_tokenizer(path)
     size = len(tokenizer)
     if size > arch.vocab_size:

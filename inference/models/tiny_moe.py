@@ -121,6 +121,16 @@ class TinyMoEConfig:
         )
 
 
+LAYOUT_TEST_MODEL = TinyMoEConfig(
+    num_layers=8, num_attention_heads=8, num_kv_heads=4, head_dim=8, moe_intermediate_size=32
+)
+"""The built-in model with room for the layouts published recipes use
+(``model=tiny_layouts``): 8 heads and 4 KV heads for TP=4, 8 experts at top-2 for
+EP=8, 8 layers for PP=4 and PP x VPP, expert and vocabulary widths (32, 264) that
+TP and ETP up to 8 and 4 divide. Still ~0.5M parameters: the layout grid
+(tests/skyrl_train/workers/test_megatron_layout_grid.py) runs it on 8 CPU ranks."""
+
+
 def build_hf_model(config: TinyMoEConfig, *, seed: int, dtype: torch.dtype = torch.float32) -> Any:
     """A randomly initialised transformers Qwen3-MoE model, reproducible from ``seed``."""
     from transformers import Qwen3MoeForCausalLM

@@ -165,8 +165,10 @@ def unknown_key_error(key: str) -> ConfigValidationError:
     return ConfigValidationError(key, expected=f"a key the schema declares{hint}", got=repr(key))
 
 
-GROUPS = ("model", "environment", "data")
-"""Config groups (``configs/<group>/<option>.yaml``): ``model=tiny`` picks a file."""
+GROUPS = ("model", "environment", "data", "preset")
+"""Config groups (``configs/<group>/<option>.yaml``): ``model=tiny`` picks a file.
+``preset`` (none by default) sets keys anywhere in the tree: a real model size's
+parallel layout, batch sizes and engine settings (``configs/preset/``)."""
 
 MOVED: dict[str, str] = {
     **{f"model.{name}": f"model.builtin.{name}" for name in TinyMoEConfig.__dataclass_fields__},

@@ -10,9 +10,13 @@ them in this order:
   in ``megatron_unsupported.py``), with the run's replay mode as the worker gets it;
 - at TP > 1, what the worker would refuse only after Ray started (MLP widths the tensor
   or expert-tensor size must divide, a q/k norm over the whole projection, sequence
-  parallelism off), then the tensor-parallel layouts no launch test runs
-  (``TESTED_TENSOR_PARALLEL``, ``TESTED_EXPERT_TENSOR_SIZES``); at PP > 1 the untested
-  pipeline layouts (docs/parallel-layouts.md);
+  parallelism off); at EP > 1, an expert tensor size other than 1 or TP
+  (``EXPERT_TENSOR_SIZES_WITH_EXPERTS``).
+
+A layout these rules accept is accepted whatever its size: the rules are megatron-core's
+own and the ones a rank's shard needs, and the grid of layouts that proves them (up to 8
+ranks: TP=4, TP x EP with MoE parallel folding, PP=4, PP x TP x EP, PP x VPP x EP, DP)
+is docs/parallel-layouts.md's.
 - ``transformer_config_kwargs`` keys that the node or the checkpoint's architecture owns,
   or that megatron-core's ``TransformerConfig`` lacks.
 
@@ -57,21 +61,17 @@ _MODEL_OWNED = {
 
 
 __all__ = [
-    "TESTED_EXPERT_TENSOR_SIZES",
-    "TESTED_TENSOR_PARALLEL",
+    "EXPERT_TENSOR_SIZES_WITH_EXPERTS",
     "check_megatron",
     "check_routing_replay",
     "data_parallel_size",
 ]
 
-TESTED_TENSOR_PARALLEL = 2
-"""The one TP size launch tests run (tests/skyrl_train/entrypoints/
-test_main_base_tensor_parallel.py), on exactly that many ranks: TP=2 alone (ETP = TP)
-and TP=2 x EP=2 with ETP=1, megatron-core's MoE parallel folding."""
-
-
-TESTED_EXPERT_TENSOR_SIZES = {1: TESTED_TENSOR_PARALLEL, 2: 1}
-"""Expert size -> the expert tensor size tested with it at TP=2."""
+EXPERT_TENSOR_SIZES_WITH_EXPERTS = ("1", "tensor_model_parallel_size")
+"""Expert tensor sizes accepted at expert_model_parallel_size > 1: experts whole on
+their rank (megatron-core's MoE parallel folding: slime's TP=4 x EP=8 x ETP=1), or cut
+as the attention is. The layout grid runs both (docs/parallel-layouts.md); a size in
+between splits expert and dense tensor groups differently, which no test runs."""
 
 
 def check_megatron(cfg: PPOConfig, arch: MoEArchitecture, mc: MegatronConfig, prefix: str) -> None:
@@ -128,9 +128,14 @@ def check_megatron(cfg: PPOConfig, arch: MoEArchitecture, mc: MegatronConfig, pr
     # reason there, not as merely untested here.
     if tp > 1:
         _check_tensor_parallel(arch, mc, prefix, tp=tp, etp=etp)
-        _refuse_untested_tensor_parallel(mc, prefix, tp=tp, etp=etp, world=world)
-    if pp > 1:
-        _refuse_untested_pipeline(mc, prefix, pp=pp, ep=ep, world=world)
+    if ep > 1 and etp not in (1, tp):
+        raise ConfigValidationError(
+            f"{prefix}.expert_tensor_parallel_size",
+            expected=f"1 or tensor_model_parallel_size ({tp}) at expert_model_parallel_size "
+            f"{ep} (experts whole on their rank, or cut as the attention is: the sizes the "
+            "layout grid runs; one in between is untested)",
+            got=str(etp),
+        )
     _check_transformer_kwargs(mc.transformer_config_kwargs, f"{prefix}.transformer_config_kwargs")
 
 
@@ -203,58 +208,6 @@ def _check_tensor_parallel(
             "layer refuses to train tensor-parallel without it)",
             got="false",
         )
-
-
-def _refuse_untested_tensor_parallel(
-    mc: MegatronConfig, prefix: str, *, tp: int, etp: int, world: int
-) -> None:
-    """Refuse at launch the tensor-parallel layouts no test has run yet
-    (docs/parallel-layouts.md), naming the key that leaves the tested ones."""
-    ep = mc.expert_model_parallel_size
-    why = (
-        f"only tensor_model_parallel_size={TESTED_TENSOR_PARALLEL} on {TESTED_TENSOR_PARALLEL} "
-        "ranks, alone or x expert_model_parallel_size=2 with expert_tensor_parallel_size=1, "
-        "is tested"
-    )
-    want_etp = TESTED_EXPERT_TENSOR_SIZES.get(ep)
-    tested_tp = TESTED_TENSOR_PARALLEL
-    # (key, the values tested, how the message says them, the value found)
-    found: list[tuple[str, set[int], str, int]] = [
-        (f"{prefix}.tensor_model_parallel_size", {tested_tp}, str(tested_tp), tp),
-        (f"{prefix}.pipeline_model_parallel_size", {1}, "1", mc.pipeline_model_parallel_size),
-        (f"{prefix}.expert_model_parallel_size", set(TESTED_EXPERT_TENSOR_SIZES), "1 or 2", ep),
-        (
-            f"{prefix}.expert_tensor_parallel_size",
-            {want_etp} if want_etp else set(),
-            f"{want_etp} at expert_model_parallel_size {ep}",
-            etp,
-        ),
-        ("trainer.placement.num_trainers", {tp}, str(tp), world),
-    ]
-    for key, tested, expected, got in found:
-        if got not in tested:
-            raise ConfigValidationError(
-                key, expected=f"{expected} with tensor parallelism ({why})", got=str(got)
-            )
-
-
-def _refuse_untested_pipeline(
-    mc: MegatronConfig, prefix: str, *, pp: int, ep: int, world: int
-) -> None:
-    """Refuse at launch the pipeline layouts no launch test has run: those run PP=2 on 2
-    ranks; PP=2 x EP=2 is tested only in the worker (docs/parallel-layouts.md), and
-    PP > 2 and PP with data-parallel ranks not at all."""
-    why = "untested: launch tests run a pipeline only at PP=2 on exactly 2 ranks"
-    found = [
-        (f"{prefix}.pipeline_model_parallel_size", "2", pp),
-        (f"{prefix}.expert_model_parallel_size", "1", ep),
-        ("trainer.placement.num_trainers", str(pp), world),
-    ]
-    for key, expected, got in found:
-        if str(got) != expected:
-            raise ConfigValidationError(
-                key, expected=f"{expected} with pipeline parallelism ({why})", got=str(got)
-            )
 
 
 def _divides(divisor: int, total: int, key: str, total_key: str) -> None:

@@ -1,7 +1,6 @@
 """The megatron-core settings the Megatron worker cannot honour, and the check that
 refuses them by key: ``UNSUPPORTED_MEGATRON_SETTINGS`` (one row per setting, with the
-expected value and the reason), ``PROVEN_VPP_WITH_REPLAY`` (the interleaved pipeline
-sizes tests prove with replay) and ``refuse_replay_incompatible``.
+expected value and the reason) and ``refuse_replay_incompatible``.
 
 Two callers apply this one table: launch validation (``megatron_rules.check_megatron``),
 to ``megatron_config`` with its ``transformer_config_kwargs`` as the YAML sets them, and
@@ -28,13 +27,6 @@ from skyrl_train.errors import ConfigValidationError
 MEGATRON_CONFIG_OWNED = tuple(
     f.name for f in dataclasses.fields(MegatronConfig) if f.name != "transformer_config_kwargs"
 )
-
-
-PROVEN_VPP_WITH_REPLAY = frozenset({(2, 2), (2, 3), (2, 4)})
-"""(pipeline, virtual pipeline) sizes at which tests run the interleaved schedule with
-replay and find every route replayed, forward and recompute, and PP=1's numbers
-(tests/skyrl_train/workers/test_megatron_pipeline.py: VPP=2 on 4 layers, VPP=3 and 4 on
-6 and 8). PP > 2 needs more than the 2 processes the tests run."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,10 +67,6 @@ def _layout_stages(settings: Mapping[str, Any]) -> int | None:
     return parsed.virtual_pipeline_model_parallel_size
 
 
-def _unproven_stages(pp: int, vpp: int | None) -> bool:
-    return (pp, vpp) not in PROVEN_VPP_WITH_REPLAY
-
-
 def _interleaved(settings: Mapping[str, Any]) -> bool:
     """Virtual pipeline stages, set explicitly (even 1: Megatron still interleaves) or
     implied by a layout."""
@@ -92,9 +80,7 @@ def _interleaved(settings: Mapping[str, Any]) -> bool:
 def _layout_refused(settings: Mapping[str, Any]) -> bool:
     if settings.get("pipeline_model_parallel_layout") is None:
         return False
-    vpp = _layout_stages(settings)
-    pp = settings.get("pipeline_model_parallel_size", 1)
-    return vpp is None or (vpp > 1 and _unproven_stages(pp, vpp))
+    return _layout_stages(settings) is None
 
 
 def _layout_found(settings: Mapping[str, Any]) -> str:
@@ -116,9 +102,9 @@ def _balancing_types(settings: Mapping[str, Any]) -> list[Any]:
     return [balancing] if isinstance(balancing, str) else list(balancing or [])
 
 
-_PROVEN = ", ".join(f"{v} at pipeline size {p}" for p, v in sorted(PROVEN_VPP_WITH_REPLAY))
-_PROVEN_STAGES = ", ".join(
-    f"{v} virtual stages at pipeline size {p}" for p, v in sorted(PROVEN_VPP_WITH_REPLAY)
+_LOCAL_SPEC = (
+    "the worker builds megatron-core's local layer spec (Transformer Engine does not install "
+    "on CPU, and the code that runs here is the code that runs on GPUs), which has no such path"
 )
 _GRAPH_WHY = (
     "a captured CUDA graph reads the replay target it was captured with, and the default "
@@ -132,8 +118,9 @@ UNSUPPORTED_MEGATRON_SETTINGS: tuple[_Unsupported, ...] = (
         "1",
         "megatron-core 0.16's context-parallel attention is Transformer Engine's "
         "(its local DotProductAttention asserts 'Context parallelism is only supported by "
-        "TEDotProductAttention!'), and Transformer Engine does not install on CPU, so "
-        "no test here can run it",
+        "TEDotProductAttention!'); the worker builds the local layer spec and does not split "
+        "sequences or their routes over context-parallel ranks, since Transformer Engine "
+        "does not install on CPU and no test here could run that path",
         replay_only=False,
     ),
     _Unsupported(
@@ -160,15 +147,35 @@ UNSUPPORTED_MEGATRON_SETTINGS: tuple[_Unsupported, ...] = (
         "here can run it",
         replay_only=False,
     ),
-    _Unsupported(
-        "moe_token_dispatcher_type",
-        lambda s: (
-            s.get("moe_token_dispatcher_type") == "alltoall"
-            and s.get("pipeline_model_parallel_size", 1) > 1
-        ),
-        "'allgather' with pipeline_model_parallel_size > 1",
-        "replay with the alltoall dispatcher is tested only without a pipeline",
-    ),
+    *(
+        _Unsupported(field, refused, expected, f"{why}; {_LOCAL_SPEC}", replay_only=False)
+        for field, refused, expected, why in (
+            (
+                "fp8",
+                lambda s: s.get("fp8") is not None,
+                "null",
+                "fp8 runs in Transformer Engine's layers",
+            ),
+            (
+                "fp4",
+                lambda s: s.get("fp4") is not None,
+                "null",
+                "fp4 runs in Transformer Engine's layers",
+            ),
+            (
+                "tp_comm_overlap",
+                lambda s: bool(s.get("tp_comm_overlap")),
+                "false",
+                "the overlap is Transformer Engine's userbuffers",
+            ),
+            (
+                "moe_grouped_gemm",
+                lambda s: bool(s.get("moe_grouped_gemm")),
+                "false",
+                "grouped expert GEMMs need Transformer Engine or the CUDA grouped_gemm package",
+            ),
+        )
+    ),  # fmt: skip
     _Unsupported(
         "sequence_parallel",
         lambda s: bool(s.get("sequence_parallel")) and s.get("tensor_model_parallel_size", 1) <= 1,
@@ -180,23 +187,18 @@ UNSUPPORTED_MEGATRON_SETTINGS: tuple[_Unsupported, ...] = (
     _Unsupported(
         "pipeline_model_parallel_layout",
         _layout_refused,
-        f"null or a layout of 1 virtual stage per rank or of {_PROVEN_STAGES}",
-        "a layout with virtual stages takes the interleaved schedule, and replay there is "
-        "proven by tests only at those sizes",
+        "null or a layout megatron-core splits into whole stages per pipeline rank",
+        "the worker places layers, and their routes, by megatron-core's reading of it",
         _layout_found,
+        replay_only=False,
     ),
     _Unsupported(
         "virtual_pipeline_model_parallel_size",
-        lambda s: (
-            bool(vpp := s.get("virtual_pipeline_model_parallel_size"))
-            and _unproven_stages(s.get("pipeline_model_parallel_size", 1), vpp)
-        ),
-        f"null or {_PROVEN}",
-        "replay on the interleaved schedule is proven by tests only there",
-        lambda s: (
-            f"{s['virtual_pipeline_model_parallel_size']!r} at pipeline size "
-            f"{s.get('pipeline_model_parallel_size', 1)}"
-        ),
+        lambda s: s.get("virtual_pipeline_model_parallel_size") == 1,
+        "null or at least 2",
+        "1 takes megatron-core's interleaved schedule with a single chunk per rank, a path "
+        "no test runs; null runs the same layers on the plain 1F1B schedule",
+        lambda s: f"1 at pipeline size {s.get('pipeline_model_parallel_size', 1)}",
     ),
     _Unsupported(
         "recompute_granularity",
@@ -275,8 +277,8 @@ def refuse_replay_incompatible(
     ``megatron_config`` field has its name, else as that field.
 
     Interleaved pipelines: Megatron's replay FIFO goes stale when a rank's model chunks
-    interleave; the worker keys replay by (chunk, microbatch) instead, accepted at the
-    sizes tests prove (``PROVEN_VPP_WITH_REPLAY``), with no recompute or full recompute.
+    interleave; the worker keys replay by (chunk, microbatch) instead, with no recompute
+    or full recompute (docs/parallel-layouts.md: the grid that proves it).
     """
     settings = resolved
     if settings is None:

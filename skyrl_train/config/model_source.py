@@ -13,7 +13,12 @@ from pathlib import Path
 
 from inference.errors import CheckpointFormatError
 from inference.models.architecture import MoEArchitecture
-from inference.models.checkpoint import CheckpointInfo, builtin_checkpoint, inspect_checkpoint
+from inference.models.checkpoint import (
+    CheckpointInfo,
+    builtin_checkpoint,
+    inspect_checkpoint,
+    read_config,
+)
 from inference.models.tiny_moe import TinyMoEConfig
 from inference.models.tokenizer import VOCAB_SIZE as BYTE_VOCAB_SIZE
 from skyrl_train.config.schema import ModelConfig
@@ -70,8 +75,16 @@ def model_checkpoint_info(model: ModelConfig) -> CheckpointInfo | None:
     """
     if model.path is None:
         return None
+    _check_path_keys(model)
+    try:
+        return inspect_folder(model.path)
+    except CheckpointFormatError as exc:
+        raise ConfigValidationError("model.path", f"{model.path}: {exc}") from exc
+
+
+def _check_path_keys(model: ModelConfig) -> None:
     _refuse_builtin_keys_with_path(model)
-    if TEMP_DIR.fullmatch(Path(model.path).name):
+    if TEMP_DIR.fullmatch(Path(str(model.path)).name):
         # Checked by name: a temp folder may hold every file of an export and still be
         # one a crash cut short, or an old one set aside (runs/export.py).
         raise ConfigValidationError(
@@ -79,14 +92,19 @@ def model_checkpoint_info(model: ModelConfig) -> CheckpointInfo | None:
             expected="a model folder (a finished export is global_step_N)",
             got=f"{model.path!r}, the temp folder of an export or a save that never finished",
         )
-    try:
-        return inspect_folder(model.path)
-    except CheckpointFormatError as exc:
-        raise ConfigValidationError("model.path", f"{model.path}: {exc}") from exc
 
 
-def model_architecture(model: ModelConfig) -> MoEArchitecture:
-    """The architecture the run trains, without writing anything."""
+def model_architecture(model: ModelConfig, *, config_only: bool = False) -> MoEArchitecture:
+    """The architecture the run trains, without writing anything. ``config_only``:
+    ``model.path`` needs only its ``config.json`` (``entrypoints.check_config`` checks a
+    launch for a model whose weights are elsewhere); its tokenizer, EOS ids and weights
+    are then not checked, which the launch itself still does."""
+    if config_only and model.path is not None:
+        _check_path_keys(model)
+        try:
+            return read_config(model.path)[2]
+        except CheckpointFormatError as exc:
+            raise ConfigValidationError("model.path", f"{model.path}: {exc}") from exc
     info = model_checkpoint_info(model)
     return info.architecture if info is not None else _builtin_architecture(model)
 

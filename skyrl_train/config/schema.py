@@ -246,9 +246,9 @@ class MegatronConfig:
     tensor_model_parallel_size: int = setting(1, ge=1)
     pipeline_model_parallel_size: int = setting(1, ge=1)
     virtual_pipeline_model_parallel_size: int | None = setting(None, ge=1)
-    """Interleaved pipeline chunks per rank. With routing replay only the sizes tests
-    prove are accepted (``megatron_unsupported.PROVEN_VPP_WITH_REPLAY``: 2 to 4 at
-    pipeline size 2)."""
+    """Interleaved pipeline chunks per rank (at least 2; the pipeline and virtual sizes
+    together must divide the layer count). Replay is keyed by (chunk, microbatch), so
+    every size is replayed right (docs/parallel-layouts.md)."""
     expert_model_parallel_size: int = setting(1, ge=1)
     expert_tensor_parallel_size: int | None = setting(None, ge=1)
     """None means equal to ``tensor_model_parallel_size`` (Megatron's default)."""

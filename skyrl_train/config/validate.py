@@ -36,13 +36,8 @@ from skyrl_train.config.engine_rules import (
     check_sampling_params,
     check_vllm_model,
 )
-from skyrl_train.config.megatron_rules import (
-    TESTED_EXPERT_TENSOR_SIZES,
-    TESTED_TENSOR_PARALLEL,
-    check_megatron,
-)
+from skyrl_train.config.megatron_rules import EXPERT_TENSOR_SIZES_WITH_EXPERTS, check_megatron
 from skyrl_train.config.megatron_unsupported import (
-    PROVEN_VPP_WITH_REPLAY,
     UNSUPPORTED_MEGATRON_SETTINGS,
     refuse_replay_incompatible,
 )
@@ -58,9 +53,7 @@ from skyrl_train.runs.folder import LATEST, check_run_dir, check_run_dir_path
 from skyrl_train.utils.tracking import check_trackers
 
 __all__ = [
-    "PROVEN_VPP_WITH_REPLAY",
-    "TESTED_EXPERT_TENSOR_SIZES",
-    "TESTED_TENSOR_PARALLEL",
+    "EXPERT_TENSOR_SIZES_WITH_EXPERTS",
     "UNSUPPORTED_MEGATRON_SETTINGS",
     "check_sampling_params",
     "refuse_replay_incompatible",
@@ -68,7 +61,9 @@ __all__ = [
 ]
 
 
-def validate_cfg(cfg: PPOConfig | Mapping[str, Any], *, evaluation: bool = False) -> None:
+def validate_cfg(
+    cfg: PPOConfig | Mapping[str, Any], *, evaluation: bool = False, config_only: bool = False
+) -> None:
     """Refuse an inconsistent or unsupported config; returns None when it is fine.
 
     Takes the typed ``PPOConfig`` or a composed Hydra config (``DictConfig``/mapping),
@@ -78,7 +73,10 @@ def validate_cfg(cfg: PPOConfig | Mapping[str, Any], *, evaluation: bool = False
     training run's folder is a fine place, and ``trainer.resume_from`` must be null
     (the command scores ``model.path``, never a trainer checkpoint). Nor do the rules
     for scoring rollouts in the trainer (``sampler_replay``: greedy sampling, a trainer
-    temperature, kept sets) or the remote servers' kept-set cap.
+    temperature, kept sets) or the remote servers' kept-set cap. ``config_only``: for
+    ``entrypoints.check_config``, which checks a launch against a model that is not on
+    this machine: ``model.path`` needs only its ``config.json`` (the architecture every
+    layout rule reads); its tokenizer, EOS ids and weights are left to the launch.
 
     A ``PPOConfig`` is resolved in place first: the deprecated replay aliases are moved
     into ``trainer.policy.routing_replay`` (``routing_replay.resolve_routing_replay``).
@@ -96,7 +94,7 @@ def validate_cfg(cfg: PPOConfig | Mapping[str, Any], *, evaluation: bool = False
     # that should be the first thing a vLLM launch with the defaults is told.
     build = check_engine_backend(cfg)
     check_routing_replay(cfg)
-    arch = _check_model(cfg.model)
+    arch = _check_model(cfg.model, config_only=config_only)
     _check_generator(cfg, arch)
     if not evaluation:
         # Rules for scoring rollouts in the trainer (temperature 0, a trainer
@@ -116,10 +114,10 @@ def validate_cfg(cfg: PPOConfig | Mapping[str, Any], *, evaluation: bool = False
         check_remote_support_cap(cfg, arch)  # last: it asks remote servers
 
 
-def _check_model(model: ModelConfig) -> MoEArchitecture:
+def _check_model(model: ModelConfig, *, config_only: bool) -> MoEArchitecture:
     """The architecture the run trains: ``model.path``'s config.json (inspected now,
-    tokenizer and EOS included) or ``model.builtin``."""
-    arch = model_architecture(model)
+    tokenizer and EOS included unless ``config_only``) or ``model.builtin``."""
+    arch = model_architecture(model, config_only=config_only)
     if model.path is None:
         # TinyMoEConfig (an inference-side class) checks its ints itself; these floats
         # get the schema's own range rule.

@@ -54,12 +54,19 @@ PP2 = [f"{POLICY}.pipeline_model_parallel_size=2", "trainer.placement.num_traine
 PP4 = [f"{POLICY}.pipeline_model_parallel_size=4", "trainer.placement.num_trainers=4"]
 
 
-@pytest.mark.parametrize(("vpp", "layers"), [(2, 4), (3, 6), (4, 8)])
-def test_replay_accepts_the_interleaved_schedule_its_tests_prove(vpp: int, layers: int) -> None:
+@pytest.mark.parametrize(
+    ("pp", "vpp", "layers"), [(2, 2, 4), (2, 3, 6), (2, 4, 8), (2, 5, 10), (4, 2, 8)]
+)
+def test_replay_accepts_every_interleaved_schedule_the_layers_divide(
+    pp: int, vpp: int, layers: int
+) -> None:
+    # Replay is keyed by (chunk, microbatch), whatever the sizes: the layout grid runs
+    # PP=4 x VPP=2 on 8 ranks beside PP=2 x VPP=2 to 4 (docs/parallel-layouts.md).
     validate_cfg(
         load_config(
             [
-                *PP2,
+                f"{POLICY}.pipeline_model_parallel_size={pp}",
+                f"trainer.placement.num_trainers={pp}",
                 f"model.builtin.num_layers={layers}",
                 f"{POLICY}.virtual_pipeline_model_parallel_size={vpp}",
             ]
@@ -79,47 +86,45 @@ def test_replay_accepts_the_interleaved_schedule_its_tests_prove(vpp: int, layer
 
 
 @pytest.mark.parametrize(
-    ("overrides", "key"),
+    ("overrides", "key", "fragment"),
     [
         # VPP=1 is no interleaving at all, but Megatron would still take the
-        # interleaved path; VPP=5 at PP=2 and PP=4 were never run with replay.
-        ([*PP2, f"{POLICY}.virtual_pipeline_model_parallel_size=1"], "virtual_pipeline_model_parallel_size"),
-        ([*PP2, "model.builtin.num_layers=10", f"{POLICY}.virtual_pipeline_model_parallel_size=5"], "virtual_pipeline_model_parallel_size"),
-        ([*PP4, "model.builtin.num_layers=8", f"{POLICY}.virtual_pipeline_model_parallel_size=2"], "virtual_pipeline_model_parallel_size"),
-        ([*PP2, f"{POLICY}.virtual_pipeline_model_parallel_size=2", f"+{POLICY}.{KW}.recompute_granularity=selective"], f"{KW}.recompute_granularity"),
+        # interleaved path, which no test runs.
+        ([*PP2, f"{POLICY}.virtual_pipeline_model_parallel_size=1"], "virtual_pipeline_model_parallel_size", "no test runs"),
+        ([*PP2, f"{POLICY}.virtual_pipeline_model_parallel_size=2", f"+{POLICY}.{KW}.recompute_granularity=selective"], f"{KW}.recompute_granularity", "proven"),
     ],
 )  # fmt: skip
-def test_replay_refuses_interleaving_no_test_proves(overrides: list[str], key: str) -> None:
+def test_replay_refuses_interleaving_no_test_proves(
+    overrides: list[str], key: str, fragment: str
+) -> None:
     err = _refusal(overrides)
     assert err.path == f"{POLICY}.{key}"
-    assert "routing replay" in err.reason and "proven" in err.reason
+    assert "routing replay" in err.reason and fragment in err.reason
 
 
 MICRO4 = ["trainer.micro_train_batch_size_per_gpu=4", "trainer.micro_forward_batch_size_per_gpu=4"]
+WIDE = "model=tiny_layouts"
 
 
 @pytest.mark.parametrize(
-    ("overrides", "key", "got"),
+    "overrides",
     [
-        ([*PP4, *MICRO4], "pipeline_model_parallel_size", "got 4"),
-        ([*PP4, *MICRO4, f"{POLICY}.moe_enable_routing_replay=false"], "pipeline_model_parallel_size", "got 4"),
-        ([*PP2, *MICRO4, "trainer.placement.num_trainers=4", f"{POLICY}.expert_model_parallel_size=2"], "expert_model_parallel_size", "got 2"),
-        ([*PP2, *MICRO4, "trainer.placement.num_trainers=4", f"{POLICY}.virtual_pipeline_model_parallel_size=2", f"{POLICY}.expert_model_parallel_size=2"], "expert_model_parallel_size", "got 2"),
+        [*PP4, *MICRO4],
+        [*PP4, *MICRO4, f"{POLICY}.moe_enable_routing_replay=false"],
+        [*PP2, *MICRO4, "trainer.placement.num_trainers=4", f"{POLICY}.expert_model_parallel_size=2"],
+        [*PP2, *MICRO4, "trainer.placement.num_trainers=4", f"{POLICY}.virtual_pipeline_model_parallel_size=2", f"{POLICY}.expert_model_parallel_size=2"],
+        # PP x DP: two pipelines of two stages.
+        [*PP2, *MICRO4, "trainer.placement.num_trainers=4"],
+        [WIDE, *PP4, *MICRO4, "trainer.placement.num_trainers=8", f"{POLICY}.virtual_pipeline_model_parallel_size=2"],
+        [WIDE, *PP2, *MICRO4, "trainer.placement.num_trainers=8", f"{POLICY}.tensor_model_parallel_size=2", f"{POLICY}.expert_model_parallel_size=2"],
     ],
 )  # fmt: skip
-def test_untested_pipeline_layouts_are_refused_by_key(
-    overrides: list[str], key: str, got: str
-) -> None:
-    # PP=4 and PP=2 x EP=2 need 4 ranks; the pipeline tests run 2.
-    err = _refusal(overrides)
-    assert err.path == f"{POLICY}.{key}"
-    assert "untested" in str(err) and got in str(err)
-
-
-def test_pipeline_with_data_parallel_ranks_is_refused_by_key() -> None:
-    err = _refusal([*PP2, *MICRO4, "trainer.placement.num_trainers=4"])
-    assert err.path == "trainer.placement.num_trainers"
-    assert "untested" in str(err) and "got 4" in str(err)
+def test_pipeline_layouts_are_accepted_by_rule(overrides: list[str]) -> None:
+    # PP=4, PP x EP, PP x VPP x EP, PP x DP, PP x TP x EP: the layout grid's rows.
+    validate_cfg(load_config(overrides))
+    # 10 stages at PP=2 imply VPP=5, which virtual_pipeline_model_parallel_size never shows.
+    layout = f"+{POLICY}.{KW}.pipeline_model_parallel_layout='Et|t|t|t|t|t|t|t|t|tL'"
+    validate_cfg(load_config([*PP2, "model.builtin.num_layers=10", layout]))
 
 
 def test_same_vpp_without_replay_is_valid() -> None:
@@ -136,9 +141,13 @@ def test_same_vpp_without_replay_is_valid() -> None:
 
 
 def test_replay_refuses_vpp_hidden_in_transformer_kwargs() -> None:
-    err = _refusal([f"+{POLICY}.{KW}.virtual_pipeline_model_parallel_size=2"])
+    err = _refusal([f"+{POLICY}.{KW}.virtual_pipeline_model_parallel_size=1"])
     assert err.path == f"{POLICY}.{KW}.virtual_pipeline_model_parallel_size"
     assert "routing replay" in err.reason
+    # A size replay accepts is still the node's to set, not the passthrough's.
+    err = _refusal([f"+{POLICY}.{KW}.virtual_pipeline_model_parallel_size=2"])
+    assert err.path == f"{POLICY}.{KW}.virtual_pipeline_model_parallel_size"
+    assert "not inside transformer_config_kwargs" in err.reason
 
 
 def test_replay_refuses_router_fusion() -> None:
@@ -192,12 +201,11 @@ def test_refuse_replay_incompatible_for_resolved_worker_settings() -> None:
         refuse_replay_incompatible(
             mc,
             key_prefix=POLICY,
-            resolved={"moe_enable_routing_replay": True, "virtual_pipeline_model_parallel_size": 5},
+            resolved={"moe_enable_routing_replay": True, "virtual_pipeline_model_parallel_size": 1},
         )
     assert info.value.path == f"{POLICY}.virtual_pipeline_model_parallel_size"
 
 
-PP2_LAYERS10 = [*PP2, "model.builtin.num_layers=10"]
 LAYOUT = f"+{POLICY}.{KW}.pipeline_model_parallel_layout"
 
 # One case per row of UNSUPPORTED_MEGATRON_SETTINGS (the test below checks that), each
@@ -212,15 +220,16 @@ REPLAY_REFUSALS = [
     ([f"+{POLICY}.{KW}.moe_router_load_balancing_type=sinkhorn"], f"{KW}.moe_router_load_balancing_type", "sinkhorn"),
     ([*PP2, f"{POLICY}.virtual_pipeline_model_parallel_size=1"], "virtual_pipeline_model_parallel_size", "got 1 at pipeline size 2"),
     ([*PP2, f"{POLICY}.virtual_pipeline_model_parallel_size=2", f"+{POLICY}.{KW}.recompute_granularity=selective"], f"{KW}.recompute_granularity", "got 'selective'"),
-    # 10 stages at PP=2 imply VPP=5, which virtual_pipeline_model_parallel_size never shows.
-    ([*PP2_LAYERS10, f"{LAYOUT}='Et|t|t|t|t|t|t|t|t|tL'"], f"{KW}.pipeline_model_parallel_layout", "5 virtual stages at pipeline size 2"),
     ([*PP2, f"{LAYOUT}='Et|t|tL'"], f"{KW}.pipeline_model_parallel_layout", "cannot split over pipeline size 2"),
     ([*PP2, f"{LAYOUT}='Et|t|t|tL'", f"+{POLICY}.{KW}.recompute_granularity=selective"], f"{KW}.recompute_granularity", "got 'selective'"),
     (["trainer.placement.num_trainers=2", f"{POLICY}.context_parallel_size=2"], "context_parallel_size", "only supported by TEDotProductAttention"),
     ([f"+{POLICY}.{KW}.sequence_parallel=true"], f"{KW}.sequence_parallel", "got true"),
     (["trainer.placement.num_trainers=2", f"{POLICY}.expert_tensor_parallel_size=2"], "expert_tensor_parallel_size", "marks expert weights as dense"),
     ([f"+{POLICY}.{KW}.moe_token_dispatcher_type=flex"], f"{KW}.moe_token_dispatcher_type", "DeepEP or HybridEP"),
-    ([*PP2, f"+{POLICY}.{KW}.moe_token_dispatcher_type=alltoall"], f"{KW}.moe_token_dispatcher_type", "tested only without a pipeline"),
+    ([f"+{POLICY}.{KW}.fp8=e4m3"], f"{KW}.fp8", "local layer spec"),
+    ([f"+{POLICY}.{KW}.fp4=nvfp4"], f"{KW}.fp4", "local layer spec"),
+    ([f"+{POLICY}.{KW}.tp_comm_overlap=true"], f"{KW}.tp_comm_overlap", "userbuffers"),
+    ([f"+{POLICY}.{KW}.moe_grouped_gemm=true"], f"{KW}.moe_grouped_gemm", "grouped_gemm package"),
 ]  # fmt: skip
 
 
@@ -246,6 +255,7 @@ def test_every_unsupported_setting_has_a_refusal_case() -> None:
         (["trainer.placement.num_trainers=2", f"{POLICY}.tensor_model_parallel_size=2", f"+{POLICY}.{KW}.sequence_parallel=false"], f"{KW}.sequence_parallel"),
         ([f"+{POLICY}.{KW}.sequence_parallel=true"], f"{KW}.sequence_parallel"),
         ([f"+{POLICY}.{KW}.moe_token_dispatcher_type=flex"], f"{KW}.moe_token_dispatcher_type"),
+        ([f"+{POLICY}.{KW}.fp8=hybrid"], f"{KW}.fp8"),
         # ETP=1 beside TP=2 with no expert parallelism: megatron-core's dense marking.
         (["trainer.placement.num_trainers=2", f"{POLICY}.tensor_model_parallel_size=2", f"{POLICY}.expert_tensor_parallel_size=1"], "expert_tensor_parallel_size"),
     ],
@@ -283,27 +293,39 @@ def test_a_vocabulary_tensor_parallelism_does_not_divide_launches_padded() -> No
 
 
 TP2 = ["trainer.placement.num_trainers=4", f"{POLICY}.tensor_model_parallel_size=2"]
+SLIME = [
+    WIDE,
+    "trainer.placement.num_trainers=8",
+    f"{POLICY}.tensor_model_parallel_size=4",
+    f"{POLICY}.expert_model_parallel_size=8",
+    f"{POLICY}.expert_tensor_parallel_size=1",
+]
+"""slime's Qwen3-30B-A3B layout on the test model: attention TP=4 x DP=2, experts EP=8."""
 
 
 @pytest.mark.parametrize(
-    ("overrides", "key"),
+    "overrides",
     [
-        ([*TP2, f"{POLICY}.pipeline_model_parallel_size=2"], f"{POLICY}.pipeline_model_parallel_size"),
-        # TP x EP x ETP=2 on 4 ranks (tested in no launch), TP x EP x DP, EP=4.
-        ([*TP2, f"{POLICY}.expert_model_parallel_size=2"], f"{POLICY}.expert_tensor_parallel_size"),
-        ([*TP2, f"{POLICY}.expert_model_parallel_size=2", f"{POLICY}.expert_tensor_parallel_size=1"], "trainer.placement.num_trainers"),
-        ([*TP2, f"{POLICY}.expert_model_parallel_size=4", f"{POLICY}.expert_tensor_parallel_size=1"], f"{POLICY}.expert_model_parallel_size"),
-        (TP2, "trainer.placement.num_trainers"),
+        [*TP2, f"{POLICY}.pipeline_model_parallel_size=2"],
+        [*TP2, f"{POLICY}.expert_model_parallel_size=2"],
+        [*TP2, f"{POLICY}.expert_model_parallel_size=2", f"{POLICY}.expert_tensor_parallel_size=1"],
+        [*TP2, f"{POLICY}.expert_model_parallel_size=4", f"{POLICY}.expert_tensor_parallel_size=1"],
+        TP2,
+        SLIME,
+        [*SLIME, f"+{POLICY}.{KW}.moe_token_dispatcher_type=alltoall"],
+        [WIDE, "trainer.placement.num_trainers=4", f"{POLICY}.tensor_model_parallel_size=4"],
     ],
 )  # fmt: skip
-def test_untested_tensor_parallel_layouts_are_refused_before_ray(
-    overrides: list[str], key: str
-) -> None:
-    err = _refusal(overrides)
-    assert err.path == key
-    assert "x expert_model_parallel_size=2 with expert_tensor_parallel_size=1, is tested" in (
-        err.reason
-    )
+def test_tensor_parallel_layouts_are_accepted_by_rule(overrides: list[str]) -> None:
+    # TP x PP, TP x EP x ETP=TP, MoE parallel folding at EP=2 and 4, TP x DP, TP=4.
+    validate_cfg(load_config([*overrides, "trainer.micro_train_batch_size_per_gpu=4"]))
+
+
+def test_an_expert_tensor_size_between_one_and_tp_is_refused_by_key() -> None:
+    layout = [*SLIME[:3], f"{POLICY}.expert_model_parallel_size=2"]
+    err = _refusal([*layout, f"{POLICY}.expert_tensor_parallel_size=2"])
+    assert err.path == f"{POLICY}.expert_tensor_parallel_size"
+    assert "1 or tensor_model_parallel_size (4)" in err.reason and err.reason.endswith("got 2")
 
 
 def test_without_replay_the_replay_only_settings_are_valid() -> None:
@@ -419,8 +441,7 @@ def test_parallel_layouts_that_fit_are_valid(tmp_path: Path) -> None:
             ]
         )
     )
-    # PP=2 x EP=2 fits 4 ranks but is refused as untested
-    # (test_untested_pipeline_layouts_are_refused_by_key); PP=2 x VPP=4 on 8 layers fits 2.
+    # PP=2 x VPP=4 on 8 layers fits 2.
     validate_cfg(
         load_config(
             [
