@@ -73,7 +73,7 @@ def build_worker(
             temperature=trainer_temperature(cfg),
             routing_replay=policy.routing_replay.enabled,
         ).setup()
-    from skyrl_train.workers.megatron.model import init_distributed as megatron_join
+    from skyrl_train.workers.megatron.groups import init_distributed as megatron_join
     from skyrl_train.workers.megatron.worker import MegatronPolicyWorker
 
     if world_size > 1 and not joined:

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 from typing import Any
 
 import torch
@@ -40,8 +39,7 @@ from skyrl_train.config.megatron_unsupported import refuse_replay_incompatible
 from skyrl_train.config.routing_replay import megatron_replay_enabled
 from skyrl_train.config.schema import MegatronConfig
 from skyrl_train.errors import ConfigValidationError
-from skyrl_train.utils.distributed import init_distributed as join_process_group
-from skyrl_train.workers.megatron.cpu_compat import apply_cpu_compat, cpu_compat_needed
+from skyrl_train.workers.megatron.cpu_compat import cpu_compat_needed
 
 MEGATRON_CONFIG_KEY = "trainer.policy.megatron_config"
 """Where the worker's ``MegatronConfig`` sits in the config; every message names it.
@@ -178,58 +176,6 @@ def build_transformer_config(
     config = TransformerConfig(**kwargs)
     refuse_replay_incompatible(mc, key_prefix=MEGATRON_CONFIG_KEY, resolved=vars(config))
     return config
-
-
-def init_distributed(*, rank: int, world_size: int, init_method: str) -> None:
-    """Apply the CPU shim, then join torch.distributed's default group
-    (``utils.distributed.init_distributed``: gloo on CPU, nccl with CUDA)."""
-    apply_cpu_compat()
-    join_process_group(rank=rank, world_size=world_size, init_method=init_method)
-
-
-def init_parallel_state(mc: MegatronConfig, *, seed: int) -> None:
-    """Initialise torch.distributed (gloo on CPU) and Megatron's parallel groups of ``mc``.
-
-    A process with no process group yet gets a world of one on an in-process store;
-    with WORLD_SIZE > 1 it joins via env:// (MASTER_ADDR/MASTER_PORT/RANK), or the
-    caller initialises torch.distributed itself first. Re-initialising
-    with the same sizes is a no-op, so several workers can be built in one test process.
-    """
-    from megatron.core import parallel_state, tensor_parallel
-
-    apply_cpu_compat()
-    if not torch.distributed.is_initialized():
-        init_distributed(
-            rank=int(os.environ.get("RANK", 0)),
-            world_size=int(os.environ.get("WORLD_SIZE", 1)),
-            init_method="env://",
-        )
-    if parallel_state.model_parallel_is_initialized():
-        same = (
-            parallel_state.get_tensor_model_parallel_world_size() == mc.tensor_model_parallel_size
-            and parallel_state.get_pipeline_model_parallel_world_size()
-            == mc.pipeline_model_parallel_size
-            and parallel_state.get_expert_model_parallel_world_size()
-            == mc.expert_model_parallel_size
-            and parallel_state.get_expert_tensor_parallel_world_size()
-            == (mc.expert_tensor_parallel_size or mc.tensor_model_parallel_size)
-            and parallel_state.get_virtual_pipeline_model_parallel_world_size()
-            == mc.virtual_pipeline_model_parallel_size
-        )
-        if not same:
-            parallel_state.destroy_model_parallel()
-    if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(
-            tensor_model_parallel_size=mc.tensor_model_parallel_size,
-            pipeline_model_parallel_size=mc.pipeline_model_parallel_size,
-            virtual_pipeline_model_parallel_size=mc.virtual_pipeline_model_parallel_size,
-            context_parallel_size=mc.context_parallel_size,
-            expert_model_parallel_size=mc.expert_model_parallel_size,
-            # The groups the expert weights are sharded and dispatched over; left out,
-            # megatron-core builds them at ETP = TP whatever the TransformerConfig says.
-            expert_tensor_parallel_size=mc.expert_tensor_parallel_size,
-        )
-    tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 
 def build_model_chunks(

@@ -54,12 +54,12 @@ from skyrl_train.workers.megatron.gradients import (
     clip_grad_norm,
     sum_sequence_parallel_grads,
 )
+from skyrl_train.workers.megatron.groups import init_parallel_state
 from skyrl_train.workers.megatron.layout import VocabShard
 from skyrl_train.workers.megatron.model import (
     MEGATRON_CONFIG_KEY,
     build_model_chunks,
     build_transformer_config,
-    init_parallel_state,
     padded_vocab_size,
 )
 from skyrl_train.workers.megatron.pipeline import PipelineGroup

@@ -18,6 +18,7 @@ import torch
 
 from skyrl_train.algorithms import SamplerReplay, sampler_log_probs_and_entropy
 from skyrl_train.dataset.batch import TrainingBatch
+from skyrl_train.workers.megatron.groups import init_distributed
 from skyrl_train.workers.megatron.layout import (
     ContiguousBatch,
     VocabShard,
@@ -25,7 +26,6 @@ from skyrl_train.workers.megatron.layout import (
     response_logprobs,
     response_logprobs_and_entropy,
 )
-from skyrl_train.workers.megatron.model import init_distributed
 
 V = 12
 HALF = V // 2
