@@ -3,7 +3,10 @@
 # (tests marked by_hand; docs/testing.md lists them and why each is safe to run by
 # hand): vLLM on two more families, the docs' vLLM command as written, vLLM's MoE reload
 # bug caught by the served-weights check, Ctrl-C of a vLLM launch, FSDP launches of two
-# more families, the real replay-off export. About 4 minutes on 2 cores. Extra arguments go to pytest (-k NAME runs one).
+# more families, the real replay-off export, the launches at 4 and 8 trainer ranks
+# (test_main_base_many_ranks.py, 3 min 58 s on the quiet machine), the whole 8-rank layout grid
+# in every family (test_megatron_layout_grid.py, about 4). About 13 minutes on 2 cores.
+# Extra arguments go to pytest (-k NAME runs one).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 RAY_USAGE_STATS_ENABLED=0 PYTHONUNBUFFERED=1

@@ -663,3 +663,8 @@ def test_ranks_strictly_spread_need_a_cluster() -> None:
     validate_cfg(load_config([*spread, "ray.address=127.0.0.1:6379"]))
     validate_cfg(load_config(["trainer.placement.strategy=STRICT_SPREAD"]))  # one rank
     assert _refusal(["trainer.placement.strategy=spread"]).path == "trainer.placement.strategy"
+
+
+def test_the_readme_slime_shape_on_this_machine_validates_as_written() -> None:
+    # README "Larger layouts": the default recipe at slime's layout on 8 CPU ranks.
+    validate_cfg(load_config([*SLIME, "trainer.placement.cpus_per_trainer=0.125"]))

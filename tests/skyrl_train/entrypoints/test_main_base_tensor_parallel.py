@@ -3,9 +3,10 @@ R3: two GRPO steps with every route replayed, weights pushed from both TP ranks'
 shards (the served-weights check compares the engine's logprobs with the trainer's),
 per-rank checkpoints that restore the same served weights, an HF export gathered from
 the shards, and the first step against the same step on one rank (fp32 rollouts give
-both runs the same batch). TP=2 x EP=2 at expert tensor size 1 (each rank half the
-experts, whole) trains the same two steps with every route replayed and the one
-rank's first step."""
+both runs the same batch). TP=2 x EP=2 at expert tensor size 1 on 4 ranks (two
+data-parallel ranks; each rank half the experts, whole) trains the same two steps with
+every route replayed and the one rank's first step; its checkpoint, resume under
+another layout and export at 4 and 8 ranks are by hand (test_main_base_many_ranks.py)."""
 
 from __future__ import annotations
 
@@ -47,6 +48,11 @@ TENSOR_PARALLEL = with_overrides(
 )
 TENSOR_X_EXPERT = with_overrides(
     TENSOR_PARALLEL,
+    # 4 ranks in the one Ray CPU the engine leaves: attention TP=2 x DP=2, experts
+    # EP=2 folded over the same ranks (issue 51; it replaced the 2-rank launch here
+    # rather than adding one, the suite being at its time budget).
+    "trainer.placement.num_trainers=4",
+    "trainer.placement.cpus_per_trainer=0.25",
     f"{MC}.expert_model_parallel_size=2",
     f"{MC}.expert_tensor_parallel_size=1",
     "trainer.ckpt_interval=0",  # checkpoints: the TP=2 run above
@@ -179,11 +185,14 @@ def test_the_export_gathers_whole_tensors(
 def test_tensor_x_expert_parallel_trains_with_every_route_replayed_as_one_rank(
     tensor_x_expert: Run, one_rank: tuple[dict[str, float], Path]
 ) -> None:
-    """TP=2 x EP=2 (ETP=1) on 2 ranks: one data-parallel rank, two expert ranks."""
+    """TP=2 x EP=2 (ETP=1) on 4 ranks: two data-parallel ranks of two tensor-parallel
+    ranks each, the experts over each pair."""
     run = tensor_x_expert
     assert [(r.rank, r.dp_rank, r.dp_size, r.tp_size, r.ep_size) for r in run.ranks] == [
-        (0, 0, 1, 2, 2),
-        (1, 0, 1, 2, 2),
+        (0, 0, 2, 2, 2),
+        (1, 0, 2, 2, 2),
+        (2, 1, 2, 2, 2),
+        (3, 1, 2, 2, 2),
     ]
     assert len(run.history) == 2
     for metrics in run.history:
