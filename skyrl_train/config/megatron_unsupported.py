@@ -77,10 +77,17 @@ def _interleaved(settings: Mapping[str, Any]) -> bool:
     return (_layout_stages(settings) or 1) > 1
 
 
+def _virtual_stages_refused(vpp: int | None, pp: int) -> bool:
+    """Refused: virtual stages without a pipeline, or the one-chunk interleaving of 1."""
+    return vpp is not None and (vpp < 2 or pp < 2)
+
+
 def _layout_refused(settings: Mapping[str, Any]) -> bool:
     if settings.get("pipeline_model_parallel_layout") is None:
         return False
-    return _layout_stages(settings) is None
+    vpp = _layout_stages(settings)
+    pp = settings.get("pipeline_model_parallel_size", 1)
+    return vpp is None or (vpp > 1 and _virtual_stages_refused(vpp, pp))
 
 
 def _layout_found(settings: Mapping[str, Any]) -> str:
@@ -187,18 +194,24 @@ UNSUPPORTED_MEGATRON_SETTINGS: tuple[_Unsupported, ...] = (
     _Unsupported(
         "pipeline_model_parallel_layout",
         _layout_refused,
-        "null or a layout megatron-core splits into whole stages per pipeline rank",
+        "null or a layout megatron-core splits into whole stages per pipeline rank, with "
+        "virtual stages only at pipeline_model_parallel_size >= 2",
         "the worker places layers, and their routes, by megatron-core's reading of it",
         _layout_found,
         replay_only=False,
     ),
     _Unsupported(
         "virtual_pipeline_model_parallel_size",
-        lambda s: s.get("virtual_pipeline_model_parallel_size") == 1,
-        "null or at least 2",
-        "1 takes megatron-core's interleaved schedule with a single chunk per rank, a path "
-        "no test runs; null runs the same layers on the plain 1F1B schedule",
-        lambda s: f"1 at pipeline size {s.get('pipeline_model_parallel_size', 1)}",
+        lambda s: _virtual_stages_refused(
+            s.get("virtual_pipeline_model_parallel_size"), s.get("pipeline_model_parallel_size", 1)
+        ),
+        "null, or at least 2 at pipeline_model_parallel_size >= 2",
+        "interleaving needs a pipeline, and 1 takes megatron-core's interleaved schedule with "
+        "one chunk per rank, a path no test runs (null runs the same layers on 1F1B)",
+        lambda s: (
+            f"{s['virtual_pipeline_model_parallel_size']!r} at pipeline size "
+            f"{s.get('pipeline_model_parallel_size', 1)}"
+        ),
     ),
     _Unsupported(
         "recompute_granularity",

@@ -145,7 +145,7 @@ def test_replay_refuses_vpp_hidden_in_transformer_kwargs() -> None:
     assert err.path == f"{POLICY}.{KW}.virtual_pipeline_model_parallel_size"
     assert "routing replay" in err.reason
     # A size replay accepts is still the node's to set, not the passthrough's.
-    err = _refusal([f"+{POLICY}.{KW}.virtual_pipeline_model_parallel_size=2"])
+    err = _refusal([*PP2, f"+{POLICY}.{KW}.virtual_pipeline_model_parallel_size=2"])
     assert err.path == f"{POLICY}.{KW}.virtual_pipeline_model_parallel_size"
     assert "not inside transformer_config_kwargs" in err.reason
 

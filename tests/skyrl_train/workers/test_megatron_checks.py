@@ -149,8 +149,10 @@ WORKER_REFUSALS = [
     ({"transformer_config_kwargs": {"sequence_parallel": True}}, f"{KW}.sequence_parallel"),
     ({"expert_tensor_parallel_size": 2}, "expert_tensor_parallel_size"),  # ETP != TP at EP=1
     ({"transformer_config_kwargs": {"moe_token_dispatcher_type": "flex"}}, f"{KW}.moe_token_dispatcher_type"),
-    ({"pipeline_model_parallel_size": 2,
-      "transformer_config_kwargs": {"moe_token_dispatcher_type": "alltoall"}}, f"{KW}.moe_token_dispatcher_type"),
+    ({"transformer_config_kwargs": {"fp8": "e4m3"}}, f"{KW}.fp8"),
+    ({"transformer_config_kwargs": {"fp4": "nvfp4"}}, f"{KW}.fp4"),
+    ({"transformer_config_kwargs": {"tp_comm_overlap": True}}, f"{KW}.tp_comm_overlap"),
+    ({"transformer_config_kwargs": {"moe_grouped_gemm": True}}, f"{KW}.moe_grouped_gemm"),
 ]  # fmt: skip
 
 
@@ -179,9 +181,12 @@ def test_the_built_configs_derived_virtual_stages_are_checked_too() -> None:
     )
     built = TransformerConfig(**transformer_config_kwargs(arch, mc))
     assert built.virtual_pipeline_model_parallel_size == 5
-    with pytest.raises(ConfigValidationError, match="5 virtual stages at pipeline size 2") as err:
-        refuse_replay_incompatible(mc, key_prefix=KEY, resolved=vars(built))
-    assert err.value.path == f"{KEY}.{KW}.{LAYOUT}"
+    refuse_replay_incompatible(mc, key_prefix=KEY, resolved=vars(built))  # any VPP >= 2
+    # The same derived size with the pipeline taken away: interleaving without one.
+    resolved = {**vars(built), "pipeline_model_parallel_size": 1, LAYOUT: None}
+    with pytest.raises(ConfigValidationError, match="5 at pipeline size 1") as err:
+        refuse_replay_incompatible(mc, key_prefix=KEY, resolved=resolved)
+    assert err.value.path == f"{KEY}.virtual_pipeline_model_parallel_size"
 
 
 def test_a_capacity_factor_is_refused_before_any_model_is_built() -> None:
