@@ -44,8 +44,9 @@ _GIB = 1 << 30
 
 
 @dataclass(frozen=True)
-class RankLayout:
-    """One trainer rank: its coordinates in megatron-core's groups and what it holds."""
+class _Coords:
+    """A trainer rank's coordinates: its rank in the tensor, context, data and pipeline
+    groups, and in the expert-tensor, expert and expert-data groups."""
 
     rank: int
     tp: int
@@ -55,8 +56,25 @@ class RankLayout:
     etp: int
     ep: int
     edp: int
-    """Coordinates: its rank in the tensor, context, data and pipeline groups, and in the
-    expert-tensor, expert and expert-data groups."""
+
+    @classmethod
+    def of(cls, r: int, *, tp: int, cp: int, dp: int, etp: int, ep: int, edp: int) -> _Coords:
+        return cls(
+            rank=r,
+            tp=r % tp,
+            cp=r // tp % cp,
+            dp=r // (tp * cp) % dp,
+            pp=r // (tp * cp * dp),
+            etp=r % etp,
+            ep=r // etp % ep,
+            edp=r // (etp * ep) % edp,
+        )
+
+
+@dataclass(frozen=True)
+class RankLayout(_Coords):
+    """One trainer rank: its coordinates in megatron-core's groups and what it holds."""
+
     layers: tuple[int, ...]
     """Global 0-based decoder layers of its stage (every chunk's, in order)."""
     experts: range
@@ -241,31 +259,6 @@ def layout_report(cfg: PPOConfig, arch: MoEArchitecture, *, prompt_tokens: int =
         route_dtype=str(dtype),
         ranks=tuple(ranks),
     )
-
-
-@dataclass(frozen=True)
-class _Coords:
-    rank: int
-    tp: int
-    cp: int
-    dp: int
-    pp: int
-    etp: int
-    ep: int
-    edp: int
-
-    @classmethod
-    def of(cls, r: int, *, tp: int, cp: int, dp: int, etp: int, ep: int, edp: int) -> _Coords:
-        return cls(
-            rank=r,
-            tp=r % tp,
-            cp=r // tp % cp,
-            dp=r // (tp * cp) % dp,
-            pp=r // (tp * cp * dp),
-            etp=r % etp,
-            ep=r // etp % ep,
-            edp=r // (etp * ep) % edp,
-        )
 
 
 @dataclass(frozen=True)

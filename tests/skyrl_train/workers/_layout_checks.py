@@ -61,10 +61,8 @@ def _loss(lp: torch.Tensor, mb: Any, ent: torch.Tensor) -> torch.Tensor:
     return (-(lp * mask).sum() - 0.01 * (ent * mask).sum() + 0.1 * kl.sum()) / mask.sum()
 
 
-def run_case(
-    arch: Any, layout: dict[str, Any], hf_state: dict[str, torch.Tensor], *, r3_only: bool = False
-) -> dict[str, Any]:
-    """``r3_only``: the R3 forward and train step alone (no R2 step, no swapped shard)."""
+def _worker(arch: Any, layout: dict[str, Any]) -> tuple[MegatronConfig, Any]:
+    """A Megatron worker of ``layout`` with R3 on, as every case and resume builds it."""
     from skyrl_train.workers.megatron import MegatronPolicyWorker
 
     mc = MegatronConfig(moe_enable_routing_replay=True, **layout)
@@ -75,6 +73,14 @@ def run_case(
         pad_token_id=PAD_ID,
         temperature=0.7,
     ).setup()
+    return mc, worker
+
+
+def run_case(
+    arch: Any, layout: dict[str, Any], hf_state: dict[str, torch.Tensor], *, r3_only: bool = False
+) -> dict[str, Any]:
+    """``r3_only``: the R3 forward and train step alone (no R2 step, no swapped shard)."""
+    mc, worker = _worker(arch, layout)
     check_expert_shards(worker, arch, mc)
     worker.load_weights(hf_state.items())
     tp = mc.tensor_model_parallel_size
@@ -144,7 +150,6 @@ def resume_elsewhere(
 
     from skyrl_train.runs.rank_file import checkpoint_file, save_rank_state
     from skyrl_train.runs.resume import rank_checkpoint, restore_rank
-    from skyrl_train.workers.megatron import MegatronPolicyWorker
     from skyrl_train.workers.megatron.placement import parallel_layout
 
     saved, rollout = got["worker"], got["rollout"]
@@ -155,14 +160,7 @@ def resume_elsewhere(
     want = _hf_state(saved)
     sides = {"want": want, "want_next": _next(saved, rollout)}
     torch.distributed.barrier()  # every rank file is written before any is read
-    mc = MegatronConfig(moe_enable_routing_replay=True, **target)
-    worker = MegatronPolicyWorker(
-        arch,
-        mc,
-        optimizer=OptimizerConfig(lr=1e-2, max_grad_norm=1.0),
-        pad_token_id=PAD_ID,
-        temperature=0.7,
-    ).setup()
+    mc, worker = _worker(arch, target)
     # Other weights than the checkpoint's, so only the reshard can bring them back.
     worker.load_weights((n, t * 1.5 + 0.01) for n, t in want["weights"].items())
     target_layout = parallel_layout(mc, world=world).record()
