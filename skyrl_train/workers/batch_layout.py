@@ -25,20 +25,37 @@ import torch
 from inference.wire import route_filler
 from skyrl_train.algorithms.sampler_replay import SamplerReplay, pick_targets, sampler_logits
 from skyrl_train.algorithms.signals import token_entropy
-from skyrl_train.dataset.batch import TrainingBatch, slice_batch
+from skyrl_train.dataset.batch import TrainingBatch, map_tensors, slice_batch
+from skyrl_train.workers.microbatches import MicrobatchPlan
 
 
-def split_microbatches(batch: TrainingBatch, size: int | None) -> list[TrainingBatch]:
-    """``batch`` cut into consecutive microbatches of ``size`` rows (None: one), the
-    last one shorter when the rows do not divide, none splitting a row (the gradient
-    contract of ``workers/base.py``)."""
-    size = batch.batch_size if size is None else size
-    if size < 1:
-        raise ValueError(f"micro_batch_size: expected a positive int, got {size}")
-    return [
-        slice_batch(batch, start, min(start + size, batch.batch_size))
-        for start in range(0, batch.batch_size, size)
-    ]
+def split_microbatches(
+    batch: TrainingBatch, plan: int | MicrobatchPlan | None
+) -> list[TrainingBatch]:
+    """``batch`` cut into microbatches: ``plan``'s row groups (``workers/microbatches.py``),
+    or for an int (None: one) consecutive slices of that many rows, the last one shorter
+    when the rows do not divide; none splitting a row (the gradient contract of
+    ``workers/base.py``). Per-row results go back to batch order with
+    ``as_plan(...).in_batch_order``."""
+    plan = as_plan(batch, plan)
+    if plan.rows != batch.batch_size:
+        raise ValueError(
+            f"micro_batch_size: expected a plan of the batch's {batch.batch_size} rows, "
+            f"got {plan.rows}"
+        )
+    if plan.is_consecutive:
+        bounds = [0]
+        for group in plan.groups:
+            bounds.append(bounds[-1] + len(group))
+        return [slice_batch(batch, a, b) for a, b in zip(bounds, bounds[1:], strict=False)]
+    return [map_tensors(batch, lambda t, rows=torch.tensor(g): t[rows]) for g in plan.groups]
+
+
+def as_plan(batch: TrainingBatch, plan: int | MicrobatchPlan | None) -> MicrobatchPlan:
+    """``plan`` itself, or ``MicrobatchPlan.by_rows`` of the batch for an int or None."""
+    if isinstance(plan, MicrobatchPlan):
+        return plan
+    return MicrobatchPlan.by_rows(batch.batch_size, plan)
 
 
 @dataclass(frozen=True)
@@ -55,6 +72,20 @@ class ContiguousBatch:
     routes: torch.Tensor | None
     """[B, S, L, K] moved with the tokens; filler rows hold ``route_filler``. None without
     routes."""
+
+    def response_index(self, num_actions: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(rows, positions)``, each broadcastable to ``[B, R]``: where the logits that
+        predict response token j of row b sit (``logits[rows, positions]``); the token
+        itself is one position later. Positions past a row's end are clamped (masked)."""
+        seq = self.tokens.shape[1]
+        target = (self.prompt_lens[:, None] + torch.arange(num_actions)[None, :]).clamp(max=seq - 1)
+        return torch.arange(self.tokens.shape[0])[:, None], target - 1
+
+    def to_batch_layout(self, routes: torch.Tensor) -> torch.Tensor:
+        """Routes ``[B, S, L, K]`` captured on these rows, moved back to the batch's
+        layout (on the CPU); the left padding gets ``route_filler``."""
+        routes = routes.cpu()
+        return shift_rows(routes, -self.shifts, route_filler_tensor(routes))
 
 
 def shift_rows(
@@ -80,7 +111,9 @@ def route_filler_tensor(routes: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(route_filler(routes.shape[-1], np.int64)).to(routes.dtype)
 
 
-def make_contiguous(batch: TrainingBatch, *, pad_token_id: int = 0) -> ContiguousBatch:
+def row_extents(batch: TrainingBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(shifts, prompt_lens)`` ``[B]``: each row's left padding and real prompt tokens,
+    the left padding checked to be one block and every row to hold a prompt token."""
     seq = batch.sequences.shape[1]
     prompt_width = seq - batch.num_actions
     prompt_mask = batch.attention_mask[:, :prompt_width].to(torch.bool)
@@ -97,6 +130,11 @@ def make_contiguous(batch: TrainingBatch, *, pad_token_id: int = 0) -> Contiguou
     if (prompt_lens < 1).any():
         row = int((prompt_lens < 1).nonzero()[0])
         raise ValueError(f"sequences[{row}]: expected at least one prompt token, got none")
+    return shifts, prompt_lens
+
+
+def make_contiguous(batch: TrainingBatch, *, pad_token_id: int = 0) -> ContiguousBatch:
+    shifts, prompt_lens = row_extents(batch)
     real = shift_rows(batch.attention_mask.to(torch.bool), shifts, False)
     tokens = shift_rows(batch.sequences.to(torch.int64), shifts, pad_token_id)
     tokens = tokens.masked_fill(~real, pad_token_id)
@@ -110,6 +148,20 @@ def make_contiguous(batch: TrainingBatch, *, pad_token_id: int = 0) -> Contiguou
     return ContiguousBatch(
         tokens=tokens, shifts=shifts, prompt_lens=prompt_lens, padding_mask=padding, routes=routes
     )
+
+
+class ScoredLayout(Protocol):
+    """The rows a model ran, as scoring reads them: ``ContiguousBatch`` (one row per
+    trajectory) or ``workers/packed_layout.PackedBatch`` (every trajectory in one row)."""
+
+    @property
+    def tokens(self) -> torch.Tensor:
+        """``[rows, width]`` int64 token ids fed to the model."""
+        ...
+
+    def response_index(self, num_actions: int) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def to_batch_layout(self, routes: torch.Tensor) -> torch.Tensor: ...
 
 
 class VocabPart(Protocol):
@@ -146,7 +198,7 @@ class WholeVocabulary:
 
 def response_logprobs(
     logits: torch.Tensor,
-    layout: ContiguousBatch,
+    layout: ScoredLayout,
     response_mask: torch.Tensor,
     *,
     sampler: SamplerReplay | None = None,
@@ -163,7 +215,7 @@ def response_logprobs(
 
 def response_logprobs_and_entropy(
     logits: torch.Tensor,
-    layout: ContiguousBatch,
+    layout: ScoredLayout,
     response_mask: torch.Tensor,
     *,
     sampler: SamplerReplay | None = None,
@@ -180,7 +232,7 @@ def response_logprobs_and_entropy(
 
 def response_log_softmax(
     logits: torch.Tensor,
-    layout: ContiguousBatch,
+    layout: ScoredLayout,
     response_mask: torch.Tensor,
     sampler: SamplerReplay | None,
     shard: VocabPart | None,
@@ -188,17 +240,10 @@ def response_log_softmax(
     """[B, R, V_local] fp32 log-softmax (``shard``'s part of it) of the logits that
     predict each response token, under ``sampler`` (``sampler_logits`` on the shard's
     ids), the [B, R] global target ids, and the part (``WholeVocabulary`` for None)."""
-    num_actions = response_mask.shape[1]
-    seq = layout.tokens.shape[1]
     part: VocabPart = shard if shard is not None else WholeVocabulary()
-    target_pos = (layout.prompt_lens[:, None] + torch.arange(num_actions)[None, :]).clamp(
-        max=seq - 1
-    )
-    source_pos = target_pos - 1
-    picked = logits.gather(
-        1, source_pos[:, :, None].expand(-1, -1, logits.shape[-1]).to(logits.device)
-    ).float()
-    targets = layout.tokens.gather(1, target_pos).to(logits.device)
+    rows, source = layout.response_index(response_mask.shape[1])
+    picked = logits[rows.to(logits.device), source.to(logits.device)].float()
+    targets = layout.tokens[rows, source + 1].to(logits.device)
     return (
         part.log_softmax(sampler_logits(picked, sampler, vocab_start=part.start)),
         targets,
@@ -208,7 +253,7 @@ def response_log_softmax(
 
 def score_responses(
     logits: torch.Tensor,
-    layout: ContiguousBatch,
+    layout: ScoredLayout,
     microbatch: TrainingBatch,
     *,
     entropy: bool,
@@ -226,8 +271,7 @@ def score_responses(
     return response_logprobs(logits, layout, mask, sampler=sampler, shard=shard), None
 
 
-def routes_to_batch_layout(routes: torch.Tensor, layout: ContiguousBatch) -> torch.Tensor:
-    """Routes ``[b, S, L, K]`` captured on ``layout``'s contiguous rows, moved back to
-    the batch's layout (on the CPU); the left padding gets ``route_filler``."""
-    routes = routes.cpu()
-    return shift_rows(routes, -layout.shifts, route_filler_tensor(routes))
+def routes_to_batch_layout(routes: torch.Tensor, layout: ScoredLayout) -> torch.Tensor:
+    """Routes captured on ``layout``'s rows (contiguous or packed), moved back to the
+    batch's ``[b, S, L, K]`` layout (on the CPU); the padding gets ``route_filler``."""
+    return layout.to_batch_layout(routes)
