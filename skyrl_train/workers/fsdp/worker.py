@@ -69,6 +69,7 @@ class FSDPPolicyWorker:
         pad_token_id: int = 0,
         temperature: float = 1.0,
         routing_replay: bool = True,
+        remove_microbatch_padding: bool = False,
     ) -> None:
         # A node built in Python skipped Hydra and validate_cfg: refuse a bad one here.
         check_constraints(fsdp_config, prefix=FSDP_CONFIG_KEY)
@@ -82,6 +83,9 @@ class FSDPPolicyWorker:
         self.pad_token_id = pad_token_id
         self.temperature = temperature
         """The rollout sampler's temperature (as the Megatron worker's)."""
+        self.remove_microbatch_padding = remove_microbatch_padding
+        """``trainer.remove_microbatch_padding``: each microbatch's rows run packed into
+        one (``workers/packed_layout.py``), no padding reaching the model."""
         self.routing_replay = routing_replay
         """``trainer.policy.routing_replay.enabled``: replay is allowed (and the default
         when a batch carries routes)."""

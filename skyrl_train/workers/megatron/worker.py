@@ -93,6 +93,7 @@ class MegatronPolicyWorker:
         pad_token_id: int = 0,
         temperature: float = 1.0,
         routing_replay: bool = True,
+        remove_microbatch_padding: bool = False,
     ) -> None:
         # A node built in Python skipped Hydra and validate_cfg: refuse a bad one here.
         check_constraints(megatron_config, prefix=MEGATRON_CONFIG_KEY)
@@ -107,6 +108,9 @@ class MegatronPolicyWorker:
         self.temperature = temperature
         """The rollout sampler's temperature: every forward scores tokens under
         softmax(logits / temperature), over the batch's ``sample_support`` when it has one."""
+        self.remove_microbatch_padding = remove_microbatch_padding
+        """``trainer.remove_microbatch_padding``: each microbatch's rows run packed into
+        one (``workers/packed_layout.py``), no padding reaching the model."""
         self.routing_replay = routing_replay
         """``trainer.policy.routing_replay.enabled``: the model is built to replay (and
         replays by default when a batch carries routes)."""
