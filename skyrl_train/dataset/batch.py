@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
+from skyrl_train.dataset.route_rows import PackedRouteRows, RouteTensor
+
 
 @dataclass
 class TrainingBatch:
@@ -35,10 +37,12 @@ class TrainingBatch:
     """[B, R] float32."""
     rollout_logprobs: torch.Tensor | None = None
     """[B, R] float32 sampled-token logprobs from the engine; None if not returned."""
-    routed_experts: torch.Tensor | None = None
-    """[B, S, L, K] in the widest sample dtype, aligned with ``sequences``; padding
-    and uncaptured rows hold ``inference.wire.route_filler`` (``arange(K)``). None when
-    R3 is off."""
+    routed_experts: RouteTensor | None = None
+    """The rollout's routes, in the widest sample dtype: as collated, packed by row
+    (``dataset/route_rows.PackedRouteRows``, ``[T, L, K]``: no padded rectangle on the
+    way to the ranks); or ``[B, S, L, K]`` aligned with ``sequences`` (a batch built by
+    hand, R2's captured routes), padding columns holding ``inference.wire.route_filler``
+    (``arange(K)``). Uncaptured tokens hold the filler either way. None when R3 is off."""
     router_padding_mask: torch.Tensor | None = None
     """[B, S] bool, True on padding and uncaptured rows (not the loss mask: prompt and
     observation tokens still replay). None when R3 is off."""
@@ -90,11 +94,14 @@ def training_loss_mask(batch: TrainingBatch) -> torch.Tensor:
 
 
 def map_tensors(batch: TrainingBatch, fn: Callable[[torch.Tensor], torch.Tensor]) -> TrainingBatch:
-    """A copy of ``batch`` with ``fn`` applied to every tensor field (routes included)."""
+    """A copy of ``batch`` with ``fn`` applied to every tensor field (routes included):
+    a row selection (``[slice]``, ``[index]``) or ``.to(device)``, which packed routes
+    (``PackedRouteRows``) answer like a tensor."""
     values = {}
     for f in dataclasses.fields(batch):
         value = getattr(batch, f.name)
-        values[f.name] = fn(value) if isinstance(value, torch.Tensor) else value
+        row_field = isinstance(value, torch.Tensor | PackedRouteRows)
+        values[f.name] = fn(value) if row_field else value  # type: ignore[arg-type]
     return TrainingBatch(**values)
 
 

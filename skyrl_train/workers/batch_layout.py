@@ -26,6 +26,8 @@ from inference.wire import route_filler
 from skyrl_train.algorithms.sampler_replay import SamplerReplay, pick_targets, sampler_logits
 from skyrl_train.algorithms.signals import token_entropy
 from skyrl_train.dataset.batch import TrainingBatch, map_tensors, slice_batch
+from skyrl_train.dataset.route_rows import PackedRouteRows
+from skyrl_train.errors import RouteReplayError
 from skyrl_train.workers.microbatches import MicrobatchPlan
 
 
@@ -133,6 +135,27 @@ def row_extents(batch: TrainingBatch) -> tuple[torch.Tensor, torch.Tensor]:
     return shifts, prompt_lens
 
 
+def aligned_route_rows(batch: TrainingBatch, shifts: torch.Tensor) -> PackedRouteRows:
+    """The batch's packed routes, checked to cover each row's real tokens exactly (the
+    row's left padding ``shifts`` and its token count): a batch whose routes were packed
+    for other rows would replay every token with another token's experts."""
+    routes = batch.routed_experts
+    assert isinstance(routes, PackedRouteRows)
+    lengths = batch.attention_mask.to(torch.int64).sum(dim=1)
+    for name, got, want in (
+        ("starts", routes.starts, shifts),
+        ("lengths", routes.lengths, lengths),
+    ):
+        if got.shape != want.shape or not torch.equal(got.cpu(), want):
+            bad = 0 if got.shape != want.shape else int((got.cpu() != want).nonzero()[0])
+            raise RouteReplayError(
+                f"routed_experts.{name}",
+                expected=f"each row's real tokens in the batch layout ({want.tolist()[:8]})",
+                got=str(got.tolist()[:8]) + f" (row {bad} differs)",
+            )
+    return routes
+
+
 def make_contiguous(batch: TrainingBatch, *, pad_token_id: int = 0) -> ContiguousBatch:
     shifts, prompt_lens = row_extents(batch)
     real = shift_rows(batch.attention_mask.to(torch.bool), shifts, False)
@@ -140,9 +163,13 @@ def make_contiguous(batch: TrainingBatch, *, pad_token_id: int = 0) -> Contiguou
     tokens = tokens.masked_fill(~real, pad_token_id)
     padding = ~real
     routes = None
-    if batch.routed_experts is not None:
+    if isinstance(batch.routed_experts, PackedRouteRows):
+        # Only this microbatch's rectangle is built, with rows already at column 0.
+        routes = aligned_route_rows(batch, shifts).rectangle(contiguous=True)
+    elif batch.routed_experts is not None:
         filler = route_filler_tensor(batch.routed_experts)
         routes = shift_rows(batch.routed_experts, shifts, filler)
+    if batch.routed_experts is not None:
         if batch.router_padding_mask is not None:
             padding = padding | shift_rows(batch.router_padding_mask.to(torch.bool), shifts, True)
     return ContiguousBatch(

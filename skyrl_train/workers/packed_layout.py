@@ -29,7 +29,8 @@ from dataclasses import dataclass
 import torch
 
 from skyrl_train.dataset.batch import TrainingBatch
-from skyrl_train.workers.batch_layout import route_filler_tensor, row_extents
+from skyrl_train.dataset.route_rows import PackedRouteRows
+from skyrl_train.workers.batch_layout import aligned_route_rows, route_filler_tensor, row_extents
 
 __all__ = ["PackedBatch", "pack_rows"]
 
@@ -143,9 +144,13 @@ def pack_rows(batch: TrainingBatch, *, pad_token_id: int = 0) -> PackedBatch:
     within = torch.arange(flat.shape[0]) - torch.repeat_interleave(row_starts, lengths)
     padding = torch.zeros(flat.shape[0], dtype=torch.bool)
     routes = None
-    if batch.routed_experts is not None:
+    if isinstance(batch.routed_experts, PackedRouteRows):
+        # The collated rows are already in this order: no copy of a rectangle.
+        routes = aligned_route_rows(batch, shifts).values[None]
+    elif batch.routed_experts is not None:
         trailing = batch.routed_experts.shape[2:]
         routes = batch.routed_experts.reshape(rows * width, *trailing)[flat][None]
+    if batch.routed_experts is not None:
         if batch.router_padding_mask is not None:
             padding = batch.router_padding_mask.reshape(-1)[flat].to(torch.bool)
     cu = torch.zeros(rows + 1, dtype=torch.int32)

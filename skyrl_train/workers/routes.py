@@ -16,6 +16,7 @@ import torch
 
 from skyrl_train.algorithms.mismatch import RouterAgreement, router_agreement
 from skyrl_train.dataset.batch import TrainingBatch
+from skyrl_train.dataset.route_rows import PackedRouteRows, RouteTensor
 from skyrl_train.errors import RouteReplayError
 
 __all__ = [
@@ -56,8 +57,11 @@ def describe_route_layer(moe_layers: Sequence[int], route_layer: int) -> str:
     return f"MoE layer {route_layer} (decoder layer {decoder})"
 
 
-def check_route_shape(routes: torch.Tensor, routers: RouteLayout) -> None:
-    """Refuse a route tensor that is not ``[B, S, L_moe, K]`` for this model."""
+def check_route_shape(routes: RouteTensor, routers: RouteLayout) -> None:
+    """Refuse a route tensor that is not ``[B, S, L_moe, K]`` (or rows packed
+    ``[T, L_moe, K]``) for this model."""
+    if isinstance(routes, PackedRouteRows):
+        routes = routes.values[None]
     if routes.dim() != 4:
         raise RouteReplayError(
             "routed_experts", expected="[B, S, L, K]", got=f"shape {tuple(routes.shape)}"
@@ -72,7 +76,7 @@ def check_route_shape(routes: torch.Tensor, routers: RouteLayout) -> None:
 
 
 def validate_routes(
-    routes: torch.Tensor,
+    routes: RouteTensor,
     routers: RouteLayout,
     *,
     trajectory_ids: Sequence[str] | None = None,
@@ -96,29 +100,41 @@ def validate_routes(
     batch, _seq, _layers, top_k = routes.shape
     if names is not None and len(names) != batch:
         raise RouteReplayError("trajectory_ids", expected=f"{batch} ids", got=str(len(names)))
-    if routes.is_floating_point() or routes.dtype == torch.bool:
+    if routes.dtype.is_floating_point or routes.dtype == torch.bool:
         raise RouteReplayError(
             "routed_experts.dtype", expected="an integer dtype", got=str(routes.dtype)
         )
-    ids = routes.to(torch.int64)
+    # Checked token by token over [N, L, K]: a rectangle's every column, or the packed
+    # rows' tokens, each token's (row, batch-layout column) named in a refusal.
+    if isinstance(routes, PackedRouteRows):
+        ids = routes.values.to(torch.int64)
+        flat = routes.batch_index()
+    else:
+        ids = routes.to(torch.int64).reshape(-1, *routes.shape[2:])
+        flat = None
+
+    def where_is(token: int) -> tuple[int, int]:
+        place = token if flat is None else int(flat[token])
+        return divmod(place, routes.shape[1])
+
     bad = (ids < 0) | (ids >= routers.num_experts)
     if bad.any():
-        b, s, layer, k = (int(x) for x in bad.nonzero()[0])
-        where = routers.describe_layer(layer)
+        token, layer, k = (int(x) for x in bad.nonzero()[0])
+        b, s = where_is(token)
         raise RouteReplayError(
-            f"{who(b)}, {where}, token {s}",
+            f"{who(b)}, {routers.describe_layer(layer)}, token {s}",
             expected=f"expert ids in [0, {routers.num_experts})",
-            got=str(int(ids[b, s, layer, k])),
+            got=str(int(ids[token, layer, k])),
         )
-    ordered = ids.sort(dim=3).values
-    repeated = (ordered[..., 1:] == ordered[..., :-1]).any(dim=3)
+    ordered = ids.sort(dim=2).values
+    repeated = (ordered[..., 1:] == ordered[..., :-1]).any(dim=2)
     if repeated.any():
-        b, s, layer = (int(x) for x in repeated.nonzero()[0])
-        where = routers.describe_layer(layer)
+        token, layer = (int(x) for x in repeated.nonzero()[0])
+        b, s = where_is(token)
         raise RouteReplayError(
-            f"{who(b)}, {where}, token {s}",
+            f"{who(b)}, {routers.describe_layer(layer)}, token {s}",
             expected=f"{top_k} distinct experts",
-            got=str(ids[b, s, layer].tolist()),
+            got=str(ids[token, layer].tolist()),
         )
 
 
@@ -162,4 +178,17 @@ def rollout_agreement(
     skip = ~batch.attention_mask.to(torch.bool)
     if batch.router_padding_mask is not None:
         skip = skip | batch.router_padding_mask.to(torch.bool)
+    if isinstance(batch.routed_experts, PackedRouteRows):
+        # Compared on the packed tokens: no rectangle of the rollout's routes.
+        packed = batch.routed_experts
+        check_route_shape(routes, layout)
+        if tuple(routes.shape) != packed.shape:
+            raise RouteReplayError(
+                "routes",
+                expected=f"shape {packed.shape} (the batch's)",
+                got=str(tuple(routes.shape)),
+            )
+        flat = packed.batch_index()
+        got = routes.reshape(-1, *routes.shape[2:])[flat][None]
+        return router_agreement(got, packed.values[None], skip.reshape(-1)[flat][None])
     return router_agreement(routes, batch.routed_experts, skip)
