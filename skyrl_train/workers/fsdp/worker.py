@@ -39,11 +39,13 @@ from skyrl_train.workers.base import (
 )
 from skyrl_train.workers.batch_layout import (
     ContiguousBatch,
+    as_plan,
     make_contiguous,
     routes_to_batch_layout,
     score_responses,
     split_microbatches,
 )
+from skyrl_train.workers.fsdp import packed as packed_attention
 from skyrl_train.workers.fsdp import state
 from skyrl_train.workers.fsdp.model import (
     FSDP_CONFIG_KEY,
@@ -51,6 +53,8 @@ from skyrl_train.workers.fsdp.model import (
     device_type,
     shard_model,
 )
+from skyrl_train.workers.microbatches import MicrobatchPlan
+from skyrl_train.workers.packed_layout import PackedBatch, pack_rows
 
 
 class FSDPPolicyWorker:
@@ -106,6 +110,10 @@ class FSDPPolicyWorker:
         from skyrl_train.workers.fsdp.replay import GateReplay
 
         attention = self.fsdp_config.attn_implementation
+        if self.remove_microbatch_padding:  # the padded path keeps its kernel
+            attention = packed_attention.attention_implementation(
+                attention, device_type=device_type(), param_dtype=self.fsdp_config.param_dtype
+            )
         model = build_hf_model(self.checkpoint, seed=self.seed, attn_implementation=attention)
         if device_type() == "cuda":
             self.device = torch.device("cuda", torch.cuda.current_device())
@@ -211,7 +219,7 @@ class FSDPPolicyWorker:
         self,
         batch: TrainingBatch,
         *,
-        micro_batch_size: int | None = None,
+        micro_batch_size: int | MicrobatchPlan | None = None,
         replay_routes: bool | None = None,
         capture_routes: bool = False,
         trajectory_ids: Sequence[str] | None = None,
@@ -220,8 +228,9 @@ class FSDPPolicyWorker:
         drop_tokens: bool = True,
     ) -> ForwardResult:
         """Response logprobs ``[B, R]`` without gradient, microbatch by microbatch
-        (``workers.base.PolicyWorker.forward``). ``drop_tokens`` changes nothing: the
-        Hugging Face MoE blocks have no expert capacity."""
+        (``workers.base.PolicyWorker.forward``), in the batch's row order whatever
+        order a ``MicrobatchPlan`` runs the rows in. ``drop_tokens`` changes nothing:
+        the Hugging Face MoE blocks have no expert capacity."""
         temperature = self.temperature if temperature is None else temperature
         do_replay = self._check_replay(batch, replay_routes, trajectory_ids)
         micro = self._microbatches(batch, micro_batch_size)
@@ -231,7 +240,7 @@ class FSDPPolicyWorker:
         try:
             with torch.no_grad():
                 for mb in micro:
-                    layout = make_contiguous(mb, pad_token_id=self.pad_token_id)
+                    layout = self._layout(mb)
                     with self.gates.session(
                         routes=layout.routes if do_replay else None, capture=capture_routes
                     ) as recorder:
@@ -253,10 +262,11 @@ class FSDPPolicyWorker:
             # the whole tensors as its parameters: a weight load would write those and
             # be dropped at the next reshard (test_fsdp_worker.py, gathered layers).
             state.reshard(model)
+        plan = as_plan(batch, micro_batch_size)
         return ForwardResult(
-            logprobs=torch.cat(logprobs),
-            routes=torch.cat(routes) if capture_routes else None,
-            entropy=torch.cat(entropies) if entropy else None,
+            logprobs=plan.in_batch_order(logprobs),
+            routes=plan.in_batch_order(routes) if capture_routes else None,
+            entropy=plan.in_batch_order(entropies) if entropy else None,
         )
 
     def rollout_router_agreement(
@@ -272,7 +282,7 @@ class FSDPPolicyWorker:
         batch: TrainingBatch,
         *,
         loss_fn: LossFn | EntropyLossFn,
-        micro_batch_size: int,
+        micro_batch_size: int | MicrobatchPlan,
         replay_routes: bool | None = None,
         trajectory_ids: Sequence[str] | None = None,
         entropy: bool = False,
@@ -285,7 +295,7 @@ class FSDPPolicyWorker:
         assert optimizer is not None
         do_replay = self._check_replay(batch, replay_routes, trajectory_ids)
         micro = self._microbatches(batch, micro_batch_size)
-        losses = step.MicrobatchLosses(loss_fn, len(micro))
+        losses, plan = step.MicrobatchLosses(loss_fn, len(micro)), as_plan(batch, micro_batch_size)
         routes: list[torch.Tensor] = []
         step.begin_step(model, optimizer)
         try:
@@ -301,7 +311,7 @@ class FSDPPolicyWorker:
             grad_norm=grad_norm,
             losses=losses.values,
             replayed=do_replay,
-            routes=torch.cat(routes) if capture_routes else None,
+            routes=plan.in_batch_order(routes) if capture_routes else None,
         )
 
     # ---- helpers ------------------------------------------------------------------
@@ -320,7 +330,7 @@ class FSDPPolicyWorker:
         loss from ``losses``; the captured routes appended to ``routes``."""
         model, count = self._require_model(), len(micro)
         for m, mb in enumerate(micro):
-            layout = make_contiguous(mb, pad_token_id=self.pad_token_id)
+            layout = self._layout(mb)
             # One reduce-scatter per step, after the last microbatch's backward; the
             # gradients accumulate unsharded until then.
             model.set_requires_gradient_sync(m == count - 1)
@@ -337,20 +347,32 @@ class FSDPPolicyWorker:
             if capture:
                 routes.append(routes_to_batch_layout(recorder.routes(), layout))
 
-    def _microbatches(self, batch: TrainingBatch, size: int | None) -> list[TrainingBatch]:
+    def _microbatches(
+        self, batch: TrainingBatch, size: int | MicrobatchPlan | None
+    ) -> list[TrainingBatch]:
         micro = split_microbatches(batch, size)
         # Every forward all-gathers each layer: a rank with fewer microbatches would
         # leave the others waiting forever, so a mismatch is refused on every rank.
         state.require_same_count(len(micro), what="microbatches", device=self.device)
         return micro
 
-    def _logits(self, layout: ContiguousBatch) -> torch.Tensor:
+    def _layout(self, microbatch: TrainingBatch) -> ContiguousBatch | PackedBatch:
+        """The rows as the model runs them (packed under ``remove_microbatch_padding``)."""
+        if self.remove_microbatch_padding:
+            return pack_rows(microbatch, pad_token_id=self.pad_token_id)
+        return make_contiguous(microbatch, pad_token_id=self.pad_token_id)
+
+    def _logits(self, layout: ContiguousBatch | PackedBatch) -> torch.Tensor:
         """``[b, S, V]`` logits of the contiguous rows: positions 0..S-1 and transformers'
-        plain causal mask (real tokens first, so right padding never reaches them)."""
+        plain causal mask (real tokens first, so right padding never reaches them); for
+        a packed row ``[1, T, V]``, attention within each document (``fsdp/packed.py``)."""
+        model = self._require_model()
+        if isinstance(layout, PackedBatch):
+            return model(**packed_attention.model_kwargs(layout, self.device)).logits
         rows, seq = layout.tokens.shape
         tokens = layout.tokens.to(self.device)
         positions = torch.arange(seq, device=self.device)[None, :].expand(rows, seq)
-        return self._require_model()(input_ids=tokens, position_ids=positions).logits
+        return model(input_ids=tokens, position_ids=positions).logits
 
     def _require_model(self) -> Any:
         if self.model is None:

@@ -48,6 +48,7 @@ def build_fsdp(
     temperature: float = 1.0,
     fsdp_config: FSDPConfig | None = None,
     routing_replay: bool = True,
+    remove_microbatch_padding: bool = False,
 ) -> FSDPPolicyWorker:
     worker = FSDPPolicyWorker(
         checkpoint,
@@ -57,6 +58,7 @@ def build_fsdp(
         pad_token_id=pad_token_id,
         temperature=temperature,
         routing_replay=routing_replay,
+        remove_microbatch_padding=remove_microbatch_padding,
     ).setup()
     worker.load_weights(checkpoint_weights(checkpoint))
     return worker

@@ -25,6 +25,7 @@ from skyrl_train.config.schema import FSDPConfig, OptimizerConfig
 from skyrl_train.dataset.batch import TrainingBatch, slice_batch
 from skyrl_train.errors import RouteReplayError
 from skyrl_train.trainer.policy import checkpoint_weights
+from skyrl_train.workers.microbatches import MicrobatchPlan, row_tokens
 
 CFG = TinyMoEConfig()
 ARCH = CFG.architecture()
@@ -291,6 +292,43 @@ def _rank_main(rank: int, checkpoint: str, reference: str) -> None:
     # Unequal shards would hang the first all-gather: refused on both ranks.
     with pytest.raises(ValueError, match=r"same number of microbatches .* got 1 to 2"):
         worker.forward(slice_batch(batch, 0, 2 - rank), micro_batch_size=1)
+    _packed_rank(rank, Path(checkpoint), batch, shard, want, config)
+
+
+def _packed_rank(
+    rank: int,
+    checkpoint: Path,
+    batch: TrainingBatch,
+    shard: TrainingBatch,
+    want: dict,
+    config: FSDPConfig,
+) -> None:
+    """Packed rows (issue 52) under a token budget that fits rank 0's two rows in one
+    microbatch but not rank 1's: the ranks agree on the larger count (2, one row each),
+    and the step equals the padded one-rank reference."""
+    budget = sum(row_tokens(batch.attention_mask[:2]))
+    lengths = row_tokens(shard.attention_mask)
+    count = torch.tensor(MicrobatchPlan.by_tokens(lengths, max_tokens=budget).count)
+    assert int(count) == 1 + rank
+    torch.distributed.all_reduce(count, op=torch.distributed.ReduceOp.MAX)
+    plan = MicrobatchPlan.by_tokens(lengths, max_tokens=budget, count=int(count))
+    worker = build_fsdp(
+        checkpoint,
+        ARCH,
+        optimizer=OPT,
+        pad_token_id=PAD_ID,
+        fsdp_config=config,
+        remove_microbatch_padding=True,
+    )
+    lp = worker.forward(shard, micro_batch_size=plan).logprobs
+    assert _close(lp, want["logprobs"][2 * rank : 2 * rank + 2]) <= TOL
+    got = worker.train_step(shard, **{**DP_STEP, "micro_batch_size": plan})
+    assert got.num_microbatches == 2
+    mean_loss = torch.tensor(got.loss, dtype=torch.float64)
+    torch.distributed.all_reduce(mean_loss)
+    assert abs(float(mean_loss) / WORLD - want["loss"]) <= 1e-6
+    assert abs(got.grad_norm - want["grad_norm"]) <= TOL * want["grad_norm"]
+    assert steady_worst(dict(worker.export_weights()), want["weights"], want["grads"]) <= TOL
 
 
 @pytest.mark.slow
