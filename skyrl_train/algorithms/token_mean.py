@@ -5,12 +5,14 @@ mini-batch of N loss-active tokens (``training_loss_mask``; the driver counts N 
 mini-batch before sharding, ``trainer/data_parallel.mini_batch_token_counts``). Its
 loss is the token mean: the sum of the per-token losses over those N tokens, over N.
 The mini-batch's rows are split over ``dp_size`` data-parallel ranks, and each rank's
-share over ``num_microbatches(rows, micro_batch_size)`` microbatches; three parties
-each divide by one factor:
+share into the microbatches of a ``workers/microbatches.MicrobatchPlan``: groups of
+rows, by a row count (``num_microbatches(rows, micro_batch_size)`` of them) or by a
+token budget, the same count on every rank (``trainer/microbatch_plan.py`` agrees it).
+Three parties each divide by one factor:
 
 1. The loss function divides each microbatch's token sum by
-   ``microbatch_denominator(N, ...)`` = N / (microbatches * dp_size)
-   (``trainer/policy.py``).
+   ``microbatch_denominator(N, microbatches=..., dp_size=...)`` = N / (microbatches *
+   dp_size), ``microbatches`` the plan's count (``trainer/policy.py``).
 2. The backend accumulates the microbatches' gradients as their mean: each
    microbatch's loss times 1 / microbatches. A schedule that divides by another count
    (Megatron's, by its padded microbatch count: ``workers/megatron/schedule.py``)
@@ -18,7 +20,8 @@ each divide by one factor:
 3. The backend sums each gradient over the data-parallel ranks and divides it by
    ``dp_size`` (``data_parallel_mean_``: ``workers/megatron/gradients.py``).
 
-The gradient is then d/dθ of sum / N, whichever way the rows were split, and the
+The gradient is then d/dθ of sum / N, whichever way the rows were split (which
+rows share a microbatch, in which order, how many tokens each holds), and the
 mean of a rank's microbatch losses is its share of the token mean times ``dp_size``:
 summed over the ranks and divided by their step count it is the mini-batch's token
 mean (``train/policy_loss``). A mean of per-rank or per-microbatch token means
@@ -39,15 +42,15 @@ def num_microbatches(rows: int, *, micro_batch_size: int) -> int:
     return -(-rows // micro_batch_size)
 
 
-def microbatch_denominator(
-    global_tokens: float, *, rows: int, micro_batch_size: int, dp_size: int
-) -> float:
+def microbatch_denominator(global_tokens: float, *, microbatches: int, dp_size: int) -> float:
     """What one microbatch's loss divides its token sum by: the global mini-batch's
-    ``global_tokens`` over the microbatches a rank averages (its ``rows`` of it cut by
-    ``micro_batch_size``) and the ``dp_size`` ranks whose gradients are averaged."""
+    ``global_tokens`` over the ``microbatches`` a rank averages (its plan's count, the
+    same on every rank) and the ``dp_size`` ranks whose gradients are averaged."""
+    if microbatches < 1:
+        raise ValueError(f"microbatches: expected a positive int, got {microbatches}")
     if dp_size < 1:
         raise ValueError(f"dp_size: expected a positive int, got {dp_size}")
-    return global_tokens / (num_microbatches(rows, micro_batch_size=micro_batch_size) * dp_size)
+    return global_tokens / (microbatches * dp_size)
 
 
 def microbatch_loss_weight(*, microbatches: int, divided_by: int) -> float:

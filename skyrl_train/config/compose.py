@@ -25,6 +25,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from inference.models.tiny_moe import TinyMoEConfig
 from skyrl_train.config.routing_replay import resolve_routing_replay
+from skyrl_train.config.sample_packing import resolve_sample_packing
 from skyrl_train.config.schema import PPOConfig
 from skyrl_train.errors import ConfigValidationError
 
@@ -77,7 +78,9 @@ def parse_config(cfg: DictConfig | Mapping[str, Any]) -> PPOConfig:
     """A composed config (Hydra's ``DictConfig``, or a plain nested mapping of overrides
     to the defaults) as ``PPOConfig``; types are checked by OmegaConf on the way. A
     deprecated replay alias the config sets is moved into
-    ``trainer.policy.routing_replay`` with a warning (``routing_replay.py``)."""
+    ``trainer.policy.routing_replay`` with a warning (``routing_replay.py``), and
+    ``trainer.use_sample_packing`` into ``trainer.remove_microbatch_padding``
+    (``sample_packing.py``)."""
     try:
         typed: Any = cfg
         if not (isinstance(cfg, DictConfig) and OmegaConf.get_type(cfg) is PPOConfig):
@@ -92,6 +95,7 @@ def parse_config(cfg: DictConfig | Mapping[str, Any]) -> PPOConfig:
     if not isinstance(obj, PPOConfig):
         raise ConfigValidationError("<root>", expected="the PPOConfig schema", got=str(type(obj)))
     resolve_routing_replay(obj)  # the deprecated megatron_config replay keys, once
+    resolve_sample_packing(obj)  # trainer.use_sample_packing, SkyRL's old name
     return obj
 
 

@@ -530,6 +530,21 @@ class TrainerConfig:
     mini-batch no larger than this is one microbatch; a larger one must divide by it."""
     micro_forward_batch_size_per_gpu: int = setting(64, ge=1)
     """Trajectories per logprob-only forward on one trainer rank."""
+    max_tokens_per_microbatch: int = setting(-1, ge=1, also=(-1,))
+    """Real (unpadded) tokens per microbatch on one trainer rank, training and
+    logprob forwards alike (SkyRL's key): -1 off, microbatches counted in rows by the
+    two keys above; N > 0, rows bin-packed under N tokens each, a longer row alone in
+    its own, rows never split, the two row counts above then unused. Every rank runs the
+    same number of microbatches (the largest any rank's budget needs, agreed with one
+    all-reduce; ``workers/microbatches.py``), and the loss stays the mini-batch's token
+    mean (``algorithms/token_mean.py``)."""
+    remove_microbatch_padding: bool = False
+    """Pack each microbatch's rows into one row without padding (SkyRL's key since
+    0.4.0): false keeps the padded ``[rows, longest row]`` layout."""
+    use_sample_packing: bool | None = None
+    """Deprecated alias of ``remove_microbatch_padding`` (SkyRL's name before 0.4.0);
+    null: not set. Set, it is copied there at composition with a warning
+    (``config.sample_packing``); the two set differently are refused."""
     update_epochs_per_batch: int = setting(1, ge=1)
     eval_interval: int = setting(10, ge=0)
     """Steps between evaluations; 0 turns evaluation off."""

@@ -15,7 +15,8 @@ are in their own modules: ``engine_rules.py`` (inference engines, sampling param
 ``megatron_rules.py`` and ``megatron_unsupported.py`` (the Megatron trainer backend,
 run only with ``trainer.strategy=megatron``), ``strategy.py`` (the other backend's keys,
 the data-parallel size per backend), ``routing_replay.py`` (the replay mode and its
-deprecated aliases), and ``sampler_replay.py``, ``off_policy.py`` and
+deprecated aliases), ``sample_packing.py`` (``trainer.use_sample_packing``, an
+alias), and ``sampler_replay.py``, ``off_policy.py`` and
 ``remote_servers.py``. Names other code imports from here stay
 importable (``__all__``).
 """
@@ -45,6 +46,7 @@ from skyrl_train.config.model_source import model_architecture
 from skyrl_train.config.off_policy import check_fully_async_correction, check_off_policy_correction
 from skyrl_train.config.remote_servers import check_remote_support_cap
 from skyrl_train.config.routing_replay import check_routing_replay, resolve_routing_replay
+from skyrl_train.config.sample_packing import resolve_sample_packing
 from skyrl_train.config.sampler_replay import check_sampler_replay
 from skyrl_train.config.schema import DATA_SUFFIXES, ModelConfig, PPOConfig
 from skyrl_train.config.strategy import check_strategy_keys, data_parallel_size
@@ -79,16 +81,20 @@ def validate_cfg(
     layout rule reads); its tokenizer, EOS ids and weights are left to the launch.
 
     A ``PPOConfig`` is resolved in place first: the deprecated replay aliases are moved
-    into ``trainer.policy.routing_replay`` (``routing_replay.resolve_routing_replay``).
+    into ``trainer.policy.routing_replay`` (``routing_replay.resolve_routing_replay``),
+    ``trainer.use_sample_packing`` into ``trainer.remove_microbatch_padding``
+    (``sample_packing.resolve_sample_packing``).
     """
     if not isinstance(cfg, PPOConfig):
         from skyrl_train.config.compose import parse_config
 
         cfg = parse_config(cfg)
     check_constraints(cfg)
-    # A config built in Python was never composed: its replay aliases are resolved
-    # here (in place), then a key of the backend this run does not use is refused.
+    # A config built in Python was never composed: its replay and sample-packing
+    # aliases are resolved here (in place), then a key of the backend this run does
+    # not use is refused.
     resolve_routing_replay(cfg)
+    resolve_sample_packing(cfg)
     check_strategy_keys(cfg)
     # Before the replay checks: with vLLM's CPU build the way out of R3 is R2, and
     # that should be the first thing a vLLM launch with the defaults is told.
@@ -266,8 +272,10 @@ def _check_batch_sizes(cfg: PPOConfig) -> None:
     per_rank = mini // dp
     # A micro-batch above the per-rank mini-batch is that whole mini-batch: one
     # microbatch, as split_microbatches cuts it. Below it, equal microbatches only.
+    # Under a token budget the row count is unused, so nothing to refuse.
     if (
-        per_rank > tr.micro_train_batch_size_per_gpu
+        tr.max_tokens_per_microbatch == -1
+        and per_rank > tr.micro_train_batch_size_per_gpu
         and per_rank % tr.micro_train_batch_size_per_gpu
     ):
         raise ConfigValidationError(

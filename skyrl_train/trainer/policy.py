@@ -49,12 +49,14 @@ from skyrl_train.runs.rank_file import checkpoint_file, save_rank_state
 from skyrl_train.runs.resume import rank_checkpoint, restore_rank
 from skyrl_train.trainer.data_parallel import ROWS_KEY
 from skyrl_train.trainer.finite import require_finite, require_finite_weights
+from skyrl_train.trainer.microbatch_plan import microbatch_plan
 from skyrl_train.trainer.policy_loss import policy_loss_fn
 from skyrl_train.trainer.replay_plan import ReplayPlan
 from skyrl_train.trainer.weight_sync import WeightSyncer
 from skyrl_train.utils.distributed import collective_device
 from skyrl_train.utils.ray_session import rendezvous_url
 from skyrl_train.workers.base import ForwardResult, PolicyWorker, RankInfo
+from skyrl_train.workers.microbatches import MicrobatchPlan
 
 logger = logging.getLogger(__name__)
 
@@ -197,7 +199,7 @@ class PolicyTrainer:
         into ``metrics``: the entropy, the router agreements (trained and native) and the
         log-prob mismatches against the rollout. Returns the forward and this rank's
         (entropy sum, tokens), (0, 0) on a rank without logprobs."""
-        micro = self.cfg.trainer.micro_forward_batch_size_per_gpu
+        micro = self._microbatches(batch, self.cfg.trainer.micro_forward_batch_size_per_gpu)
         as_trained = self.worker.forward(
             batch,
             micro_batch_size=micro,
@@ -262,7 +264,9 @@ class PolicyTrainer:
         with self.worker.swapped_weights(self.reference):
             ref_logprobs = self.worker.forward(
                 batch,
-                micro_batch_size=self.cfg.trainer.micro_forward_batch_size_per_gpu,
+                micro_batch_size=self._microbatches(
+                    batch, self.cfg.trainer.micro_forward_batch_size_per_gpu
+                ),
                 replay_routes=plan.update.replay,
                 trajectory_ids=trajectory_ids(batch),
             ).logprobs
@@ -272,6 +276,17 @@ class PolicyTrainer:
         kl = float(kl_penalty(logprobs, ref_logprobs, batch.loss_mask))
         metrics.mean("policy/kl_to_ref", kl * own_tokens, own_tokens)
         return ref_logprobs
+
+    def _microbatches(self, batch: TrainingBatch, micro_batch_size: int) -> MicrobatchPlan:
+        """The worker's microbatches of ``batch``: ``micro_batch_size`` rows each, or under
+        ``trainer.max_tokens_per_microbatch`` token-budget groups whose count every rank
+        agrees in one all-reduce (``microbatch_plan.py``), so every rank calls this at the
+        same point of a step."""
+        return microbatch_plan(
+            batch,
+            micro_batch_size=micro_batch_size,
+            max_tokens_per_microbatch=self.cfg.trainer.max_tokens_per_microbatch,
+        )
 
     def _entropy_coef(self, entropy_sum: float, tokens: float) -> float:
         """The step's bonus coefficient (``entropy_target``), from the whole step's token
@@ -300,7 +315,6 @@ class PolicyTrainer:
     ) -> MetricSums:
         t, dp = self.cfg.trainer, self.info.dp_size
         mini = t.policy_mini_batch_size * self.cfg.generator.n_samples_per_prompt // dp
-        micro = t.micro_train_batch_size_per_gpu
         losses: list[float] = []
         grad_norms: list[float] = []
         # (clipped tokens, loss tokens) per microbatch: the step's clip fraction is a
@@ -331,11 +345,11 @@ class PolicyTrainer:
                     # global count and skips.
                     skipped += 1
                     continue
-                # The loss function's share of the token mean over the global
-                # mini-batch (algorithms/token_mean.py); the worker does the rest.
-                tokens = microbatch_denominator(
-                    global_tokens, rows=part.batch_size, micro_batch_size=micro, dp_size=dp
-                )
+                # The same count on every rank (the plan agrees it), so each divides
+                # by the same share of the token mean over the global mini-batch
+                # (algorithms/token_mean.py); the worker does the rest.
+                micro = self._microbatches(part, t.micro_train_batch_size_per_gpu)
+                tokens = microbatch_denominator(global_tokens, microbatches=micro.count, dp_size=dp)
 
                 loss_fn = policy_loss_fn(
                     t.algorithm,
@@ -408,7 +422,9 @@ class PolicyTrainer:
         holds logprobs, the others return None."""
         logprobs = self.worker.forward(
             batch,
-            micro_batch_size=self.cfg.trainer.micro_forward_batch_size_per_gpu,
+            micro_batch_size=self._microbatches(
+                batch, self.cfg.trainer.micro_forward_batch_size_per_gpu
+            ),
             replay_routes=batch.routed_experts is not None,
             # The probe is greedy and the engine reports it under the raw logits.
             temperature=1.0,

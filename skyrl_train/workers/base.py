@@ -12,9 +12,12 @@ make every step a token mean over the global mini-batch is written out once, in
 ``algorithms/token_mean.py``, and this is the worker's side of it:
 
 - One call is one optimizer step over the rank's shard ``batch``: gradients are zeroed,
-  then every microbatch runs forward and backward. Microbatches are consecutive slices
-  of ``micro_batch_size`` rows, the last one shorter when the rows do not divide
-  (``token_mean.num_microbatches`` of them), none splitting a row.
+  then every microbatch runs forward and backward. Microbatches are the row groups of
+  ``micro_batch_size``, a ``workers/microbatches.MicrobatchPlan`` (by a row count or a
+  token budget, rows possibly reordered, its ``count`` the same on every rank: the
+  trainer agrees it, ``trainer/microbatch_plan.py``), or for an int consecutive slices
+  of that many rows, the last one shorter; none splitting a row. Per-row results
+  (logprobs, entropy, routes) come back in the batch's row order whatever the plan.
 - The microbatches' gradients accumulate as their mean (each loss times
   1 / microbatches), and ``TrainStepResult.loss`` is the mean of the microbatch losses.
 - Each gradient is then summed over its data-parallel group (for a Megatron expert
@@ -79,6 +82,7 @@ from inference.models.architecture import MoEArchitecture
 from skyrl_train.algorithms.mismatch import RouterAgreement
 from skyrl_train.dataset.batch import TrainingBatch
 from skyrl_train.runs.rank_contract import Checkpointable, ParallelLayout
+from skyrl_train.workers.microbatches import MicrobatchPlan
 
 LossFn = Callable[[torch.Tensor, TrainingBatch], torch.Tensor]
 """``loss_fn(logprobs [b, R], microbatch) -> scalar``."""
@@ -206,7 +210,7 @@ class PolicyWorker(Checkpointable, Protocol):
         self,
         batch: TrainingBatch,
         *,
-        micro_batch_size: int | None = None,
+        micro_batch_size: int | MicrobatchPlan | None = None,
         replay_routes: bool | None = None,
         capture_routes: bool = False,
         entropy: bool = False,
@@ -235,7 +239,7 @@ class PolicyWorker(Checkpointable, Protocol):
         batch: TrainingBatch,
         *,
         loss_fn: LossFn | EntropyLossFn,
-        micro_batch_size: int,
+        micro_batch_size: int | MicrobatchPlan,
         replay_routes: bool | None = None,
         entropy: bool = False,
         capture_routes: bool = False,

@@ -50,7 +50,12 @@ def split_microbatches(
         for group in plan.groups:
             bounds.append(bounds[-1] + len(group))
         return [slice_batch(batch, a, b) for a, b in zip(bounds, bounds[1:], strict=False)]
-    return [map_tensors(batch, lambda t, rows=torch.tensor(g): t[rows]) for g in plan.groups]
+    return [select_rows(batch, torch.tensor(group)) for group in plan.groups]
+
+
+def select_rows(batch: TrainingBatch, rows: torch.Tensor) -> TrainingBatch:
+    """Rows ``rows`` (an index tensor) of every per-row field, routes included."""
+    return map_tensors(batch, lambda t: t[rows])
 
 
 def as_plan(batch: TrainingBatch, plan: int | MicrobatchPlan | None) -> MicrobatchPlan:

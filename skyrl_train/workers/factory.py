@@ -72,6 +72,7 @@ def build_worker(
             pad_token_id=pad_token_id,
             temperature=trainer_temperature(cfg),
             routing_replay=policy.routing_replay.enabled,
+            remove_microbatch_padding=cfg.trainer.remove_microbatch_padding,
         ).setup()
     from skyrl_train.workers.megatron.groups import init_distributed as megatron_join
     from skyrl_train.workers.megatron.worker import MegatronPolicyWorker
@@ -88,4 +89,5 @@ def build_worker(
         pad_token_id=pad_token_id,
         temperature=trainer_temperature(cfg),
         routing_replay=policy.routing_replay.enabled,
+        remove_microbatch_padding=cfg.trainer.remove_microbatch_padding,
     ).setup()

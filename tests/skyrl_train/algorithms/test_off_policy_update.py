@@ -23,9 +23,11 @@ import pytest
 import torch
 
 from skyrl_train.config.compose import load_config
-from skyrl_train.dataset.batch import TrainingBatch, slice_batch
+from skyrl_train.dataset.batch import TrainingBatch
 from skyrl_train.trainer.policy import PolicyTrainer
 from skyrl_train.workers.base import ForwardResult, TrainStepResult
+from skyrl_train.workers.batch_layout import split_microbatches
+from skyrl_train.workers.microbatches import MicrobatchPlan
 from tests.skyrl_train.trainer._stand_in_worker import StandInWorker as PolicyWorkerStandIn
 from tests.skyrl_train.trainer._stand_in_worker import check_stand_in
 
@@ -45,22 +47,26 @@ class StandInWorker(PolicyWorkerStandIn):
         return ForwardResult(logprobs=OLD[batch.sequences[:, 0]] * batch.response_mask)
 
     def train_step(
-        self, batch: TrainingBatch, *, loss_fn: Any, micro_batch_size: int, **options: Any
+        self,
+        batch: TrainingBatch,
+        *,
+        loss_fn: Any,
+        micro_batch_size: int | MicrobatchPlan,
+        **options: Any,
     ) -> TrainStepResult:
         self.table.grad = None
-        starts = range(0, batch.batch_size, micro_batch_size)
+        micro = split_microbatches(batch, micro_batch_size)
         losses = []
-        for start in starts:
-            mb = slice_batch(batch, start, min(start + micro_batch_size, batch.batch_size))
+        for mb in micro:
             loss = loss_fn(self.table[mb.sequences[:, 0]] * mb.response_mask, mb)
-            (loss / len(starts)).backward()
+            (loss / len(micro)).backward()
             losses.append(float(loss.detach()))
             self.microbatches += 1
         assert self.table.grad is not None
         return TrainStepResult(
             loss=sum(losses) / len(losses),
             grad_norm=float(self.table.grad.norm()),
-            num_microbatches=len(starts),
+            num_microbatches=len(micro),
             replayed=False,
             lr=1e-3,
         )

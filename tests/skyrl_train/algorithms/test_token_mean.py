@@ -48,10 +48,8 @@ def test_a_split_mini_batch_trains_on_its_token_mean(dp: int, micro: int, padded
     reported = []
     for rank in range(dp):
         rows = slice(rank * per_rank, (rank + 1) * per_rank)
-        denominator = microbatch_denominator(
-            global_tokens, rows=per_rank, micro_batch_size=micro, dp_size=dp
-        )
         count = num_microbatches(per_rank, micro_batch_size=micro)
+        denominator = microbatch_denominator(global_tokens, microbatches=count, dp_size=dp)
         # A schedule that divides every microbatch loss by its own count, fillers
         # included (Megatron's), as the backend runs it.
         divided_by = count + padded - 1
@@ -78,7 +76,9 @@ def test_the_rules_refuse_counts_that_cannot_be() -> None:
     with pytest.raises(ValueError, match="micro_batch_size: expected a positive int, got 0"):
         num_microbatches(4, micro_batch_size=0)
     with pytest.raises(ValueError, match="dp_size: expected a positive int, got 0"):
-        microbatch_denominator(10.0, rows=4, micro_batch_size=2, dp_size=0)
+        microbatch_denominator(10.0, microbatches=2, dp_size=0)
+    with pytest.raises(ValueError, match="microbatches: expected a positive int, got 0"):
+        microbatch_denominator(10.0, microbatches=0, dp_size=1)
     with pytest.raises(ValueError, match="divided_by: expected at least microbatches=3"):
         microbatch_loss_weight(microbatches=3, divided_by=2)
     assert num_microbatches(5, micro_batch_size=2) == 3

@@ -21,6 +21,7 @@ from skyrl_train.workers.base import (
     RankInfo,
     TrainStepResult,
 )
+from skyrl_train.workers.microbatches import MicrobatchPlan
 
 ARCHITECTURE = MoEArchitecture(
     family="qwen3_moe",
@@ -70,7 +71,7 @@ class StandInWorker:
         self,
         batch: TrainingBatch,
         *,
-        micro_batch_size: int | None = None,
+        micro_batch_size: int | MicrobatchPlan | None = None,
         replay_routes: bool | None = None,
         capture_routes: bool = False,
         entropy: bool = False,
@@ -91,7 +92,7 @@ class StandInWorker:
         batch: TrainingBatch,
         *,
         loss_fn: LossFn | EntropyLossFn,
-        micro_batch_size: int,
+        micro_batch_size: int | MicrobatchPlan,
         replay_routes: bool | None = None,
         entropy: bool = False,
         capture_routes: bool = False,

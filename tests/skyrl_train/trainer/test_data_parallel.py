@@ -15,7 +15,7 @@ from _stand_in_worker import StandInWorker, check_stand_in
 
 from skyrl_train.algorithms import MetricSums
 from skyrl_train.config.compose import load_config
-from skyrl_train.dataset.batch import TrainingBatch, slice_batch
+from skyrl_train.dataset.batch import TrainingBatch
 from skyrl_train.errors import CheckpointError, ConfigValidationError
 from skyrl_train.runs.rank_file import checkpoint_file, save_rank_state
 from skyrl_train.runs.resume import load_rank_state
@@ -27,6 +27,8 @@ from skyrl_train.trainer.data_parallel import (
 )
 from skyrl_train.trainer.policy import PolicyTrainer, RankInfo
 from skyrl_train.workers.base import ForwardResult, TrainStepResult
+from skyrl_train.workers.batch_layout import split_microbatches
+from skyrl_train.workers.microbatches import MicrobatchPlan
 
 
 def _batch(rows: int, *, seq: int = 6, actions: int = 3, layers: int = 2, k: int = 2):
@@ -185,12 +187,16 @@ class RowTableWorker(StandInWorker):
             self.old = own
 
     def train_step(
-        self, batch: TrainingBatch, *, loss_fn: Any, micro_batch_size: int, **options: Any
+        self,
+        batch: TrainingBatch,
+        *,
+        loss_fn: Any,
+        micro_batch_size: int | MicrobatchPlan,
+        **options: Any,
     ) -> TrainStepResult:
-        starts = range(0, batch.batch_size, micro_batch_size)
+        micro = split_microbatches(batch, micro_batch_size)
         losses = []
-        for start in starts:
-            mb = slice_batch(batch, start, min(start + micro_batch_size, batch.batch_size))
+        for mb in micro:
             rows = mb.sequences[:, 0]
             logprobs = self.tables["current"][rows] * mb.response_mask
             # The entropy bonus's per-token entropy, when the trainer asks for it.
@@ -199,7 +205,7 @@ class RowTableWorker(StandInWorker):
         return TrainStepResult(
             loss=sum(losses) / len(losses),
             grad_norm=0.5,
-            num_microbatches=len(starts),
+            num_microbatches=len(micro),
             replayed=True,
             lr=1e-3,
         )
@@ -253,9 +259,12 @@ def _uneven_batch(generator: torch.Generator) -> tuple[TrainingBatch, dict[str, 
     return batch, tables
 
 
-def _rank(tmp_path: Path, tables: dict[str, torch.Tensor], dp_rank: int, dp: int) -> Any:
+def _rank(
+    tmp_path: Path, tables: dict[str, torch.Tensor], dp_rank: int, dp: int, budget: int = -1
+) -> Any:
     cfg = load_config(
         [
+            f"trainer.max_tokens_per_microbatch={budget}",
             f"trainer.run_dir={tmp_path}",
             f"trainer.train_batch_size={PROMPTS}",
             f"trainer.policy_mini_batch_size={MINI_PROMPTS}",
@@ -276,15 +285,21 @@ def _rank(tmp_path: Path, tables: dict[str, torch.Tensor], dp_rank: int, dp: int
     return trainer
 
 
-def test_two_ranks_with_uneven_masks_combine_to_the_whole_batchs_metrics(tmp_path: Path) -> None:
+# 12 tokens: the whole first mini-batch (rows of 4, 5, 8, 7 tokens) runs as rows
+# (0, 2) and (1, 3), while its rank shards need 1 and 2 microbatches (no process group
+# here to agree them): the token mean holds whatever the count and order.
+@pytest.mark.parametrize("budget", [-1, 12])
+def test_two_ranks_with_uneven_masks_combine_to_the_whole_batchs_metrics(
+    tmp_path: Path, budget: int
+) -> None:
     batch, tables = _uneven_batch(torch.Generator().manual_seed(0))
-    whole = _rank(tmp_path, tables, 0, 1).train(copy.deepcopy(batch), step=1)
+    whole = _rank(tmp_path, tables, 0, 1, budget).train(copy.deepcopy(batch), step=1)
 
     mini = MINI_PROMPTS * SAMPLES
     shards = shard_mini_batches(batch, mini_batch_size=mini, dp_size=2)
     tokens = mini_batch_token_counts(batch, mini_batch_size=mini)
     per_rank = [
-        _rank(tmp_path, tables, r, 2).train(shard, step=1, mini_batch_tokens=tokens)
+        _rank(tmp_path, tables, r, 2, budget).train(shard, step=1, mini_batch_tokens=tokens)
         for r, shard in enumerate(shards)
     ]
     combined = combine_rank_metrics(per_rank)

@@ -17,9 +17,11 @@ from _stand_in_worker import StandInWorker, check_stand_in
 
 from skyrl_train.algorithms import gspo_policy_loss, kl_penalty, ppo_policy_loss, token_mean_entropy
 from skyrl_train.config.compose import load_config
-from skyrl_train.dataset.batch import TrainingBatch, slice_batch
+from skyrl_train.dataset.batch import TrainingBatch
 from skyrl_train.trainer.policy import PolicyTrainer
 from skyrl_train.workers.base import ForwardResult, TrainStepResult
+from skyrl_train.workers.batch_layout import as_plan, split_microbatches
+from skyrl_train.workers.microbatches import MicrobatchPlan
 
 PROMPTS, N_SAMPLES, MINI_PROMPTS, WIDTH = 8, 2, 4, 5
 ROWS = PROMPTS * N_SAMPLES
@@ -28,9 +30,9 @@ ROWS = PROMPTS * N_SAMPLES
 class TableWorker(StandInWorker):
     """Logprobs are a learnable table indexed by row id (``sequences[:, 0]``).
 
-    ``train_step`` does what the real worker's does: microbatches of
-    ``micro_batch_size`` rows, each loss backpropagated divided by the microbatch
-    count, and the mean of the microbatch losses returned. It records each optimizer
+    ``train_step`` does what the real worker's does: the microbatches of
+    ``micro_batch_size`` (a plan or a row count), each loss backpropagated divided by
+    the microbatch count, and the mean of the microbatch losses returned. It records each optimizer
     step's gradient instead of stepping, so every mini-batch sees the same table.
     """
 
@@ -39,6 +41,7 @@ class TableWorker(StandInWorker):
         self.table = current.clone().requires_grad_()
         self.old = old
         self.grads: list[torch.Tensor] = []
+        self.plans: list[MicrobatchPlan] = []
 
     def forward(self, batch: TrainingBatch, *, entropy: bool = False, **options: Any) -> Any:
         rows = batch.sequences[:, 0]
@@ -49,23 +52,28 @@ class TableWorker(StandInWorker):
         )
 
     def train_step(
-        self, batch: TrainingBatch, *, loss_fn: Any, micro_batch_size: int, **options: Any
+        self,
+        batch: TrainingBatch,
+        *,
+        loss_fn: Any,
+        micro_batch_size: int | MicrobatchPlan,
+        **options: Any,
     ) -> TrainStepResult:
         self.table.grad = None
-        starts = range(0, batch.batch_size, micro_batch_size)
+        micro = split_microbatches(batch, micro_batch_size)
+        self.plans.append(as_plan(batch, micro_batch_size))
         losses = []
-        for start in starts:
-            mb = slice_batch(batch, start, min(start + micro_batch_size, batch.batch_size))
+        for mb in micro:
             logprobs = self.table[mb.sequences[:, 0]] * mb.response_mask
             loss = loss_fn(logprobs, mb)
-            (loss / len(starts)).backward()
+            (loss / len(micro)).backward()
             losses.append(float(loss.detach()))
         assert self.table.grad is not None
         self.grads.append(self.table.grad.clone())
         return TrainStepResult(
             loss=sum(losses) / len(losses),
             grad_norm=float(self.table.grad.norm()),
-            num_microbatches=len(starts),
+            num_microbatches=len(micro),
             replayed=False,
             lr=1e-3,
         )
@@ -182,7 +190,12 @@ class RegularizedWorker(TableWorker):
             self.old = own
 
     def train_step(
-        self, batch: TrainingBatch, *, loss_fn: Any, micro_batch_size: int, **options: Any
+        self,
+        batch: TrainingBatch,
+        *,
+        loss_fn: Any,
+        micro_batch_size: int | MicrobatchPlan,
+        **options: Any,
     ) -> TrainStepResult:
         assert options["entropy"] is True
 

@@ -18,6 +18,7 @@ from skyrl_train.dataset.batch import TrainingBatch
 from skyrl_train.trainer.policy import PolicyTrainer
 from skyrl_train.trainer.replay_plan import PassRoutes, ReplayPlan
 from skyrl_train.workers.base import ForwardResult, TrainStepResult
+from skyrl_train.workers.microbatches import MicrobatchPlan
 
 ROWS, PROMPT, RESPONSE = 4, 2, 3
 
@@ -87,7 +88,7 @@ class RecordingWorker(StandInWorker):
         batch: TrainingBatch,
         *,
         loss_fn: Any,
-        micro_batch_size: int,
+        micro_batch_size: int | MicrobatchPlan,
         replay_routes: bool | None = None,
         entropy: bool = False,
         capture_routes: bool = False,

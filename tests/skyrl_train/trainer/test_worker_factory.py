@@ -1,6 +1,7 @@
 """``workers/factory.py`` builds the backend ``trainer.strategy`` names, with the run's
 settings: the FSDP worker from the model folder the trainer passes, the Megatron worker
-with the run's replay mode in its node; the FSDP branch loads no Megatron module.
+with the run's replay mode in its node, both with ``trainer.remove_microbatch_padding``;
+the FSDP branch loads no Megatron module.
 
 The worker classes are replaced by recorders (a unit test of the dispatch, one layer):
 the workers themselves are tested in tests/skyrl_train/workers/."""
@@ -63,6 +64,7 @@ def test_fsdp_builds_the_fsdp_worker_from_the_model_folder(
             "trainer.policy.fsdp_config.reshard_after_forward=false",
             "trainer.policy.routing_replay.enabled=false",
             "generator.sampling_params.temperature=0.7",
+            "trainer.remove_microbatch_padding=true",
         ]
     )
     built = _build(cfg)
@@ -74,6 +76,7 @@ def test_fsdp_builds_the_fsdp_worker_from_the_model_folder(
         "pad_token_id": 7,
         "temperature": 0.7,
         "routing_replay": False,
+        "remove_microbatch_padding": True,
     }
 
 
@@ -107,6 +110,7 @@ def test_megatron_gets_the_runs_replay_mode_in_its_node(
     # A copy: the run's own node keeps its alias unset.
     assert cfg.trainer.policy.megatron_config.moe_enable_routing_replay is None
     assert built.kwargs["pad_token_id"] == 7 and built.kwargs["seed"] == cfg.trainer.seed
+    assert built.kwargs["remove_microbatch_padding"] is False  # the default: padded
 
 
 def test_strategy_builds_the_other_backend_on_the_same_config(
