@@ -110,6 +110,13 @@ def slice_batch(batch: TrainingBatch, start: int, stop: int) -> TrainingBatch:
     return map_tensors(batch, lambda t: t[start:stop])
 
 
+def select_rows(batch: TrainingBatch, rows: torch.Tensor) -> TrainingBatch:
+    """Rows ``rows`` (an index tensor) of every per-row field, routes included: a copy
+    that owns exactly its rows (a slice is a view, and pickling a view ships its whole
+    storage)."""
+    return map_tensors(batch, lambda t: t[rows])
+
+
 def batch_to(batch: TrainingBatch, device: torch.device) -> TrainingBatch:
     """Every tensor of ``batch`` on ``device`` (no copy for tensors already there)."""
     return map_tensors(batch, lambda t: t.to(device))

@@ -16,8 +16,7 @@ import torch
 from skyrl_train.algorithms.metrics import MetricSums
 from skyrl_train.dataset.batch import (
     TrainingBatch,
-    map_tensors,
-    shard_for_data_parallel_rank,
+    select_rows,
     training_loss_mask,
 )
 
@@ -55,10 +54,10 @@ def shard_mini_batches(
     order = mini_batch_order(batch.batch_size, mini_batch_size=mini_batch_size, dp_size=dp_size)
     if dp_size == 1:
         return [batch]
-    ordered = map_tensors(batch, lambda t: t[order])
-    return [
-        shard_for_data_parallel_rank(ordered, rank=r, world_size=dp_size) for r in range(dp_size)
-    ]
+    per_rank = batch.batch_size // dp_size
+    # One gather per rank, never a slice: a slice is a view, and pickling a view (ray.put)
+    # ships its whole storage, so every rank would receive every rank's routes.
+    return [select_rows(batch, order[r * per_rank : (r + 1) * per_rank]) for r in range(dp_size)]
 
 
 def mini_batch_token_counts(batch: TrainingBatch, *, mini_batch_size: int) -> list[float]:

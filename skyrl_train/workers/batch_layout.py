@@ -25,7 +25,7 @@ import torch
 from inference.wire import route_filler
 from skyrl_train.algorithms.sampler_replay import SamplerReplay, pick_targets, sampler_logits
 from skyrl_train.algorithms.signals import token_entropy
-from skyrl_train.dataset.batch import TrainingBatch, map_tensors, slice_batch
+from skyrl_train.dataset.batch import TrainingBatch, select_rows, slice_batch
 from skyrl_train.dataset.route_rows import PackedRouteRows
 from skyrl_train.errors import RouteReplayError
 from skyrl_train.workers.microbatches import MicrobatchPlan
@@ -51,11 +51,6 @@ def split_microbatches(
             bounds.append(bounds[-1] + len(group))
         return [slice_batch(batch, a, b) for a, b in zip(bounds, bounds[1:], strict=False)]
     return [select_rows(batch, torch.tensor(group)) for group in plan.groups]
-
-
-def select_rows(batch: TrainingBatch, rows: torch.Tensor) -> TrainingBatch:
-    """Rows ``rows`` (an index tensor) of every per-row field, routes included."""
-    return map_tensors(batch, lambda t: t[rows])
 
 
 def as_plan(batch: TrainingBatch, plan: int | MicrobatchPlan | None) -> MicrobatchPlan:

@@ -72,6 +72,28 @@ def test_shards_have_equal_shapes_and_only_their_own_rows() -> None:
     assert sorted(sum(rank_rows, [])) == list(range(8))
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["rectangle", "packed"])
+def test_each_shard_pickles_only_its_own_rows(packed: bool) -> None:
+    """A shard that is a view of the whole batch pickles (ray.put) the whole storage:
+    every rank would receive every rank's routes. Each shard owns just its rows."""
+    import dataclasses
+    import pickle
+
+    from skyrl_train.dataset.route_rows import PackedRouteRows
+
+    full = _batch(64, seq=32, layers=4, k=4)
+    if packed:
+        rows = PackedRouteRows.from_rectangle(full.routed_experts, full.attention_mask)
+        full = dataclasses.replace(full, routed_experts=rows)
+    whole = len(pickle.dumps(full))
+    shards = shard_mini_batches(full, mini_batch_size=16, dp_size=4)
+    sizes = [len(pickle.dumps(s)) for s in shards]
+    assert max(sizes) < 0.35 * whole, (sizes, whole)
+    for s in shards:
+        routes = s.routed_experts.values if packed else s.routed_experts
+        assert routes.untyped_storage().nbytes() == routes.numel() * routes.element_size()
+
+
 def test_one_rank_gets_the_batch_unchanged() -> None:
     full = _batch(4)
     (only,) = shard_mini_batches(full, mini_batch_size=2, dp_size=1)
