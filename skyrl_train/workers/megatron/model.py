@@ -179,11 +179,17 @@ def build_transformer_config(
 
 
 def build_model_chunks(
-    arch: MoEArchitecture, config: Any, *, seed: int, vocab_rows: int | None = None
+    arch: MoEArchitecture,
+    config: Any,
+    *,
+    seed: int,
+    vocab_rows: int | None = None,
+    packed: bool = False,
 ) -> list[Any]:
     """This pipeline rank's GPTModel chunks for ``arch`` (one per virtual stage, one
     without VPP); parallel state must be initialised. ``vocab_rows``: the embedding's
     and output layer's rows (``padded_vocab_size``; None: the checkpoint's vocabulary).
+    ``packed``: the core attention takes packed rows (``packed_attention.py``).
 
     The layer specs are Megatron's own per-layer dense/MoE specs from
     ``moe_layer_freq`` (local modules, no Transformer Engine), sliced to each chunk's
@@ -214,6 +220,11 @@ def build_model_chunks(
         block = with_sequence_parallel_norms(block)
         if arch.qk_norm == "full":
             block.layer_specs = [with_full_width_qk_norm(spec) for spec in block.layer_specs]
+        if packed:
+            from skyrl_train.workers.megatron.packed_attention import core_attention_for_packing
+
+            core = core_attention_for_packing(config)
+            block.layer_specs = [with_core_attention(spec, core) for spec in block.layer_specs]
         gpt = GPTModel(
             config=config,
             transformer_layer_spec=block,
@@ -317,6 +328,17 @@ def with_full_width_qk_norm(layer_spec: Any) -> Any:
     submodules = dataclasses.replace(
         layer_spec.submodules,
         self_attention=dataclasses.replace(attention, module=full_width_qk_attention()),
+    )
+    return dataclasses.replace(layer_spec, submodules=submodules)
+
+
+def with_core_attention(layer_spec: Any, module: type) -> Any:
+    """``layer_spec`` (a TransformerLayer ModuleSpec) with ``module`` as its attention's
+    core attention; the spec objects Megatron shares are not mutated."""
+    attention = layer_spec.submodules.self_attention
+    inner = dataclasses.replace(attention.submodules, core_attention=module)
+    submodules = dataclasses.replace(
+        layer_spec.submodules, self_attention=dataclasses.replace(attention, submodules=inner)
     )
     return dataclasses.replace(layer_spec, submodules=submodules)
 

@@ -11,6 +11,12 @@ Under pipeline parallelism stages exchange fixed-shape activations, so every
 microbatch is padded to the largest one's rows, and the interleaved schedule needs a
 microbatch count it can group, so filler microbatches are appended
 (``PipelineGroup.padded_count``). A filler's loss is a zero that keeps the graph.
+
+Packed (``trainer.remove_microbatch_padding``): each microbatch is one row
+(``packed_layout.PackedBatch``) run as THD with ``PackedSeqParams``; its tail padding
+(sequence parallelism's multiple, a pipeline's one length, or the longest packed row
+of the token-exchange group) is its own document and padding for the routers
+(``megatron/packed_rows.py``).
 """
 
 from __future__ import annotations
@@ -28,7 +34,6 @@ from skyrl_train.dataset.batch import TrainingBatch
 from skyrl_train.errors import RouteReplayError
 from skyrl_train.workers.megatron import replay
 from skyrl_train.workers.megatron.layout import (
-    ContiguousBatch,
     filler_rows,
     make_contiguous,
     pad_columns,
@@ -37,7 +42,14 @@ from skyrl_train.workers.megatron.layout import (
     shift_rows,
 )
 from skyrl_train.workers.megatron.model import causal_attention_mask
+from skyrl_train.workers.megatron.packed_rows import (
+    ScheduledLayout,
+    pack_microbatches,
+    packed_forward,
+)
 from skyrl_train.workers.megatron.pipeline import PipelineGroup
+from skyrl_train.workers.microbatches import MicrobatchPlan
+from skyrl_train.workers.packed_layout import PackedBatch
 
 Head = Callable[[int, torch.Tensor], torch.Tensor]
 """``head(m, logits [b, S, V]) -> scalar`` for real microbatch ``m`` (its own rows
@@ -60,13 +72,24 @@ class Microbatches:
     """A batch's microbatches as the schedule runs them."""
 
     micro: list[TrainingBatch]
-    """The real microbatches, in batch order."""
-    layouts: list[ContiguousBatch]
-    """Each real microbatch left-packed (``make_contiguous``), its own rows only."""
-    inputs: list[ContiguousBatch]
+    """The real microbatches, in the plan's order."""
+    layouts: list[ScheduledLayout]
+    """Each real microbatch left-packed (``make_contiguous``), its own rows only; or,
+    packed, its one row as fed (``inputs[m]``)."""
+    inputs: list[ScheduledLayout]
     """What the schedule feeds: ``layouts`` widened to a multiple of the
     sequence-parallel size, and, when pipelining, padded to one row count and followed
     by filler microbatches; ``layouts`` itself when neither applies."""
+    plan: MicrobatchPlan | None = None
+    """The batch's rows in each microbatch (None: consecutive, in batch order)."""
+
+    @property
+    def packed(self) -> bool:
+        return bool(self.inputs) and isinstance(self.inputs[0], PackedBatch)
+
+    def in_batch_order(self, parts: Sequence[torch.Tensor]) -> torch.Tensor:
+        """Per-microbatch ``[b_m, ...]`` results joined in the batch's row order."""
+        return self.plan.in_batch_order(parts) if self.plan is not None else torch.cat(list(parts))
 
     @classmethod
     def prepare(
@@ -76,19 +99,35 @@ class Microbatches:
         *,
         pad_token_id: int,
         sequence_shards: int = 1,
+        plan: MicrobatchPlan | None = None,
+        packed: bool = False,
+        exchange_group: Any = None,
     ) -> Microbatches:
         """``sequence_shards``: sequence-parallel ranks; each input's width is padded
-        to a multiple of it, since Megatron splits the sequence evenly."""
+        to a multiple of it, since Megatron splits the sequence evenly. ``packed``:
+        one row per microbatch (``packed_rows.pack_microbatches``; ``exchange_group``,
+        the ranks whose dispatcher exchanges tokens, agree on each packed length)."""
+        if packed:
+            rows: list[ScheduledLayout] = list(
+                pack_microbatches(
+                    micro,
+                    pipeline,
+                    pad_token_id=pad_token_id,
+                    sequence_shards=sequence_shards,
+                    exchange_group=exchange_group,
+                )
+            )
+            return cls(micro=micro, layouts=rows[: len(micro)], inputs=rows, plan=plan)
         layouts = [make_contiguous(mb, pad_token_id=pad_token_id) for mb in micro]
         inputs = [
             pad_columns(layout, sequence_shards, pad_token_id=pad_token_id) for layout in layouts
         ]
         if pipeline.size > 1:
-            rows = max(mb.batch_size for mb in micro)
-            inputs = [pad_rows(layout, rows, pad_token_id=pad_token_id) for layout in inputs]
-            blank = filler_rows(inputs[0], rows, pad_token_id=pad_token_id)
+            most = max(mb.batch_size for mb in micro)
+            inputs = [pad_rows(layout, most, pad_token_id=pad_token_id) for layout in inputs]
+            blank = filler_rows(inputs[0], most, pad_token_id=pad_token_id)
             inputs = inputs + [blank] * (pipeline.padded_count(len(micro)) - len(micro))
-        return cls(micro=micro, layouts=layouts, inputs=inputs)
+        return cls(micro=micro, layouts=list(layouts), inputs=list(inputs), plan=plan)
 
     @property
     def count(self) -> int:
@@ -130,6 +169,8 @@ def run_schedule(
     def loss_func(m: int, logits: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
         if m >= count:
             return logits.sum() * 0.0, {}
+        if batches.packed:  # one row holding every trajectory of the microbatch
+            return head(m, logits) * scale, {}
         return head(m, logits[: batches.micro[m].batch_size]) * scale, {}
 
     def forward_step(data: Iterator[tuple[int, int]], model: Any) -> tuple[Any, Any]:
@@ -159,7 +200,9 @@ def run_schedule(
                 model=chunks if len(chunks) > 1 else chunks[0],
                 num_microbatches=total,
                 seq_length=batches.inputs[0].tokens.shape[1],
-                micro_batch_size=max(mb.batch_size for mb in batches.micro),
+                micro_batch_size=(
+                    1 if batches.packed else max(mb.batch_size for mb in batches.micro)
+                ),
                 forward_only=forward_only,
             )
     finally:
@@ -168,10 +211,12 @@ def run_schedule(
     return capturer.got if capturer is not None else None
 
 
-def chunk_forward(chunk: Any, layout: ContiguousBatch) -> torch.Tensor:
+def chunk_forward(chunk: Any, layout: ScheduledLayout) -> torch.Tensor:
     """One model chunk's forward: logits ``[b, S, V]`` on the last stage, hidden states
     ``[S, b, H]`` elsewhere (a later stage reads its input from the schedule's
-    ``set_input_tensor``, not from the tokens)."""
+    ``set_input_tensor``, not from the tokens). A packed row: ``packed_forward``."""
+    if isinstance(layout, PackedBatch):
+        return packed_forward(chunk, layout)
     rows, seq = layout.tokens.shape
     device = next(chunk.parameters()).device
     # Megatron ignores position_ids for RoPE; they are passed because the signature
@@ -195,9 +240,9 @@ def gather_routes(
     batches: Microbatches,
     got: Mapping[int, Mapping[int, torch.Tensor]],
 ) -> torch.Tensor:
-    """``[B, S, L_moe, K]`` in the batch layout from ``run_schedule``'s capture: every
-    stage fills its own MoE layers, the pipeline group sums the rest in (disjoint
-    layers, zeros elsewhere)."""
+    """``[B, S, L_moe, K]`` in the batch layout (and the batch's row order) from
+    ``run_schedule``'s capture: every stage fills its own MoE layers, the pipeline group
+    sums the rest in (disjoint layers, zeros elsewhere)."""
     parts = []
     for m, (mb, layout) in enumerate(zip(batches.micro, batches.layouts, strict=True)):
         seen = got.get(m, {})
@@ -209,17 +254,22 @@ def gather_routes(
                     expected="the router to dispatch in the forward",
                     got="nothing",
                 )
-        seq = layout.tokens.shape[1]  # the input's sequence-parallel padding dropped
-        local = torch.stack(
-            [seen[i][: mb.batch_size, :seq] for i in range(len(routers.modules))], dim=2
-        )
-        local = shift_rows(local, -layout.shifts, route_filler_tensor(local))
+        if isinstance(layout, PackedBatch):
+            # [1, T, L_local, K] on the packed row, its tail dropped by to_batch_layout.
+            local = torch.stack([seen[i] for i in range(len(routers.modules))], dim=2)
+            local = layout.to_batch_layout(local)
+        else:
+            seq = layout.tokens.shape[1]  # the input's sequence-parallel padding dropped
+            local = torch.stack(
+                [seen[i][: mb.batch_size, :seq] for i in range(len(routers.modules))], dim=2
+            )
+            local = shift_rows(local, -layout.shifts, route_filler_tensor(local))
         full = torch.zeros(*local.shape[:2], routers.num_layers, local.shape[3], dtype=local.dtype)
         full[:, :, list(routers.route_layers)] = local
         parts.append(full)
-    return pipeline.sum_over_stages(torch.cat(parts))
+    return pipeline.sum_over_stages(batches.in_batch_order(parts))
 
 
-def _routes_of(layout: ContiguousBatch) -> torch.Tensor:
+def _routes_of(layout: ScheduledLayout) -> torch.Tensor:
     assert layout.routes is not None
     return layout.routes

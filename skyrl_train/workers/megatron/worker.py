@@ -46,7 +46,7 @@ from skyrl_train.workers.base import (
     TrainStepResult,
     check_swapped_weights,
 )
-from skyrl_train.workers.batch_layout import score_responses, split_microbatches
+from skyrl_train.workers.batch_layout import as_plan, score_responses, split_microbatches
 from skyrl_train.workers.megatron import capacity, convert, replay
 from skyrl_train.workers.megatron.cpu_compat import apply_cpu_compat
 from skyrl_train.workers.megatron.gradients import (
@@ -70,6 +70,7 @@ from skyrl_train.workers.megatron.schedule import (
     gather_routes,
     run_schedule,
 )
+from skyrl_train.workers.microbatches import MicrobatchPlan
 
 
 class MegatronPolicyWorker:
@@ -132,7 +133,13 @@ class MegatronPolicyWorker:
         )
         init_parallel_state(self.megatron_config, seed=self.seed)
         rows = padded_vocab_size(self.architecture.vocab_size, self.megatron_config)
-        self.chunks = build_model_chunks(self.architecture, config, seed=self.seed, vocab_rows=rows)
+        self.chunks = build_model_chunks(
+            self.architecture,
+            config,
+            seed=self.seed,
+            vocab_rows=rows,
+            packed=self.remove_microbatch_padding,
+        )
         self.model = self.chunks[0] if len(self.chunks) == 1 else torch.nn.ModuleList(self.chunks)
         self._pipeline = PipelineGroup.current()
         self.routers = replay.local_routers(self.chunks)
@@ -243,7 +250,7 @@ class MegatronPolicyWorker:
         self,
         batch: TrainingBatch,
         *,
-        micro_batch_size: int | None = None,
+        micro_batch_size: int | MicrobatchPlan | None = None,
         replay_routes: bool | None = None,
         capture_routes: bool = False,
         trajectory_ids: Sequence[str] | None = None,
@@ -285,9 +292,9 @@ class MegatronPolicyWorker:
         got = self._pipeline.tensors_from_last_stage(logprobs, shapes)
         ents = self._pipeline.tensors_from_last_stage(entropies, shapes) if entropy else None
         return ForwardResult(
-            logprobs=torch.cat(got),
+            logprobs=batches.in_batch_order(got),
             routes=routes,
-            entropy=torch.cat(ents) if ents is not None else None,
+            entropy=batches.in_batch_order(ents) if ents is not None else None,
         )
 
     def rollout_router_agreement(
@@ -304,7 +311,7 @@ class MegatronPolicyWorker:
         batch: TrainingBatch,
         *,
         loss_fn: LossFn | EntropyLossFn,
-        micro_batch_size: int,
+        micro_batch_size: int | MicrobatchPlan,
         replay_routes: bool | None = None,
         trajectory_ids: Sequence[str] | None = None,
         entropy: bool = False,
@@ -351,13 +358,28 @@ class MegatronPolicyWorker:
 
     # ---- the schedule -----------------------------------------------------------------
 
-    def _prepare(self, batch: TrainingBatch, size: int | None) -> Microbatches:
+    def _prepare(self, batch: TrainingBatch, size: int | MicrobatchPlan | None) -> Microbatches:
+        """The schedule's microbatches: ``size`` rows each, or a plan's row groups (results
+        come back in batch order); packed with ``remove_microbatch_padding``."""
+        plan = as_plan(batch, size)
         return Microbatches.prepare(
-            split_microbatches(batch, size),
+            split_microbatches(batch, plan),
             self._pipeline,
             pad_token_id=self.pad_token_id,
             sequence_shards=self._require_routers().sequence_shards,
+            plan=plan,
+            packed=self.remove_microbatch_padding,
+            exchange_group=self._token_exchange_group() if self.remove_microbatch_padding else None,
         )
+
+    def _token_exchange_group(self) -> Any:
+        """The ranks whose MoE dispatcher exchanges tokens while holding other rows
+        (expert parallelism's), or None: packed rows are then made one length there."""
+        from megatron.core import parallel_state
+
+        if parallel_state.get_expert_model_parallel_world_size() == 1:
+            return None
+        return parallel_state.get_expert_tensor_and_model_parallel_group()
 
     def _run(
         self, batches: Microbatches, *, head: Head, forward_only: bool, replay: bool, capture: bool

@@ -26,6 +26,7 @@ from _step_checks import clipped_grads, steady, steady_worst
 
 from inference.models.tiny_moe import TinyMoEConfig, build_hf_model
 from skyrl_train.config.schema import MegatronConfig, OptimizerConfig
+from skyrl_train.workers.microbatches import MicrobatchPlan
 
 PROMPTS = [[72, 105, 33], [1, 2, 3, 4, 5], [40, 41], [9, 8, 7, 6]]
 RESPONSES = [[50, 51, 52, 53], [60, 61, 62], [70, 71, 72, 73], [80, 81]]
@@ -61,8 +62,11 @@ def _loss(lp: torch.Tensor, mb: Any, ent: torch.Tensor) -> torch.Tensor:
     return (-(lp * mask).sum() - 0.01 * (ent * mask).sum() + 0.1 * kl.sum()) / mask.sum()
 
 
-def _worker(arch: Any, layout: dict[str, Any]) -> tuple[MegatronConfig, Any]:
-    """A Megatron worker of ``layout`` with R3 on, as every case and resume builds it."""
+def _worker(
+    arch: Any, layout: dict[str, Any], *, packed: bool = False
+) -> tuple[MegatronConfig, Any]:
+    """A Megatron worker of ``layout`` with R3 on, as every case and resume builds it;
+    ``packed``: ``trainer.remove_microbatch_padding``."""
     from skyrl_train.workers.megatron import MegatronPolicyWorker
 
     mc = MegatronConfig(moe_enable_routing_replay=True, **layout)
@@ -72,21 +76,35 @@ def _worker(arch: Any, layout: dict[str, Any]) -> tuple[MegatronConfig, Any]:
         optimizer=OptimizerConfig(lr=1e-2, max_grad_norm=1.0),
         pad_token_id=PAD_ID,
         temperature=0.7,
+        remove_microbatch_padding=packed,
     ).setup()
     return mc, worker
 
 
+REORDERED = MicrobatchPlan(((1, 3), (0, 2)))
+"""Rows out of batch order: a packed forward's results and routes must come back in it."""
+
+
 def run_case(
-    arch: Any, layout: dict[str, Any], hf_state: dict[str, torch.Tensor], *, r3_only: bool = False
+    arch: Any,
+    layout: dict[str, Any],
+    hf_state: dict[str, torch.Tensor],
+    *,
+    r3_only: bool = False,
+    packed: bool = False,
 ) -> dict[str, Any]:
-    """``r3_only``: the R3 forward and train step alone (no R2 step, no swapped shard)."""
-    mc, worker = _worker(arch, layout)
+    """``r3_only``: the R3 forward and train step alone (no R2 step, no swapped shard).
+    ``packed``: each microbatch packed into one row (``remove_microbatch_padding``), the
+    forward's microbatches ``REORDERED`` (the train step's are the reference's: the test
+    loss is a mean per microbatch)."""
+    mc, worker = _worker(arch, layout, packed=packed)
     check_expert_shards(worker, arch, mc)
+    core = worker.chunks[0].decoder.layers[0].self_attention.core_attention
+    out: dict[str, Any] = {"attention": type(core).__name__}
     worker.load_weights(hf_state.items())
     tp = mc.tensor_model_parallel_size
     layers, experts, top_k = len(arch.moe_layers), arch.num_experts, arch.num_experts_per_tok
     rollout = batch(random_routes(4, 9, layers, experts, top_k, seed=11))
-    out: dict[str, Any] = {}
     embedding = getattr(worker.chunks[0], "embedding", None)  # first pipeline stage only
     rows = embedding.word_embeddings.weight.shape[0] * tp if embedding is not None else None
     if rows is not None and rows != arch.vocab_size:
@@ -101,7 +119,8 @@ def run_case(
         with pytest.raises(ValueError, match=rf"^{embed}.shape: expected \({arch.vocab_size}, "):
             worker.load_weights([(embed, wide)])
         assert torch.equal(dict(worker.export_weights())[embed], hf_state[embed])
-    first = worker.forward(rollout, capture_routes=True, entropy=True)
+    plan = REORDERED if packed else None
+    first = worker.forward(rollout, capture_routes=True, entropy=True, micro_batch_size=plan)
     out["logprobs"], out["entropy"] = first.logprobs, first.entropy
     out["r3_forward"] = agreement(first.routes, rollout.routed_experts, rollout)
     rollout = dataclasses.replace(rollout, rollout_logprobs=first.logprobs)

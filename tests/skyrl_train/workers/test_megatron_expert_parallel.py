@@ -1,5 +1,7 @@
 """Two processes, gloo, EP=2: each rank holds half the experts and only its own shard
-of the batch and routes; replay must still dispatch every token to the given experts."""
+of the batch and routes; replay must still dispatch every token to the given experts.
+Packed (``trainer.remove_microbatch_padding``), the two ranks' rows pack to different
+lengths, which the dispatcher's exchange needs equal: the same numbers again."""
 
 from __future__ import annotations
 
@@ -66,6 +68,23 @@ def _rank_main(rank: int) -> None:
     gathered = [torch.empty_like(gate_up) for _ in range(WORLD)]
     torch.distributed.all_gather(gathered, gate_up)
     assert torch.equal(gathered[0], gathered[1])
+
+    # Packed: rank 0's rows hold 7 + 8 tokens, rank 1's 6 + 6 (one microbatch in the
+    # forward, one row each in the step); each is padded to the longer of the two.
+    packed = MegatronPolicyWorker(
+        ARCH,
+        MegatronConfig(moe_enable_routing_replay=True, expert_model_parallel_size=WORLD),
+        pad_token_id=PAD_ID,
+        remove_microbatch_padding=True,
+    ).setup()
+    assert packed._prepare(shard, None).inputs[0].tokens.shape == (1, 15)
+    packed.load_weights(hf.state_dict().items())
+    again = packed.forward(shard, capture_routes=True)
+    assert (again.logprobs - result.logprobs).abs().max().item() <= 1e-5
+    assert torch.equal(again.routes[real], result.routes[real])
+    packed_step = packed.train_step(shard, loss_fn=lambda lp, mb: -lp.sum(), micro_batch_size=1)
+    assert packed_step.loss == pytest.approx(step.loss, rel=1e-6, abs=1e-6)
+    assert packed_step.grad_norm == pytest.approx(step.grad_norm, rel=1e-5)
 
 
 # The wall-clock limit is there to catch a hang, not to time start-up. Over 90% of
