@@ -17,7 +17,12 @@ import numpy as np
 import torch
 
 from skyrl_train.dataset.batch import TrainingBatch
-from skyrl_train.dataset.routes import RouteCollator, prepare_route_collation
+from skyrl_train.dataset.packed_routes import (
+    PackedRouteCollator,
+    PackedRoutes,
+    prepare_packed_route_collation,
+)
+from skyrl_train.dataset.route_rows import PackedRouteRows
 from skyrl_train.dataset.support import collate_sample_support
 from skyrl_train.errors import CollationError
 from skyrl_train.generators.base import GeneratorOutput
@@ -212,15 +217,15 @@ def convert_to_training_batch(
     check_workers(workers)
     trajectories, rewards = _validate(output)
     tokens = _TokenFiller(trajectories, pad_token_id, output.rollout_logprobs is not None)
-    routes: RouteCollator | None = None
+    routes: PackedRouteCollator | None = None
     if output.routed_experts is not None:
         _per_trajectory(output, "routed_experts", len(trajectories))
-        routes = prepare_route_collation(
+        # Packed by row: the padded [B, S, L, K] is never built on the driver
+        # (dataset/route_rows.py).
+        routes = prepare_packed_route_collation(
             output.routed_experts,
             prompt_lengths=[len(t.prompt) for t in trajectories],
             response_lengths=[len(t.response) for t in trajectories],
-            prompt_width=tokens.prompt_width,
-            response_width=tokens.response_width,
         )
 
     def fill_row(i: int) -> None:
@@ -238,6 +243,11 @@ def convert_to_training_batch(
             loss_masks=[t.loss_mask for t in trajectories],
             response_width=tokens.response_width,
         )
+    route_rows = padding = None
+    if collated is not None:
+        route_rows, padding = _route_rows(
+            collated, trajectories, tokens.prompt_width, tokens.prompt_width + tokens.response_width
+        )
     return TrainingBatch(
         sequences=torch.from_numpy(tokens.sequences),
         attention_mask=torch.from_numpy(tokens.attention_mask),
@@ -246,10 +256,25 @@ def convert_to_training_batch(
         rewards=torch.from_numpy(rewards),
         token_rewards=torch.from_numpy(tokens.token_rewards),
         rollout_logprobs=None if tokens.logprobs is None else torch.from_numpy(tokens.logprobs),
-        routed_experts=None if collated is None else torch.from_numpy(collated.routed_experts),
-        router_padding_mask=None
-        if collated is None
-        else torch.from_numpy(collated.router_padding_mask),
+        routed_experts=None if collated is None else route_rows,
+        router_padding_mask=None if collated is None else padding,
         sample_support=support,
         trajectory_rows=torch.arange(len(trajectories)),
     )
+
+
+def _route_rows(
+    collated: PackedRoutes, trajectories: Sequence[_Trajectory], prompt_width: int, width: int
+) -> tuple[PackedRouteRows, torch.Tensor]:
+    """The packed routes as the batch carries them, and the ``[B, S]`` router padding
+    mask (1 byte a token: the rows' uncaptured tokens and every padding column)."""
+    starts = torch.tensor([prompt_width - len(t.prompt) for t in trajectories], dtype=torch.int64)
+    rows = PackedRouteRows(
+        values=torch.from_numpy(collated.routed_experts),
+        cu_seqlens=torch.from_numpy(collated.cu_seqlens),
+        starts=starts,
+        width=width,
+    )
+    padding = torch.ones(len(trajectories) * width, dtype=torch.bool)
+    padding[rows.batch_index()] = torch.from_numpy(collated.router_padding_mask)
+    return rows, padding.view(len(trajectories), width)

@@ -11,6 +11,7 @@ import torch
 from skyrl_train.dataset import preprocess
 from skyrl_train.dataset.batch import TrainingBatch
 from skyrl_train.dataset.preprocess import convert_to_training_batch
+from skyrl_train.dataset.route_rows import PackedRouteRows
 from skyrl_train.errors import CollationError
 from skyrl_train.generators.base import GeneratorOutput
 
@@ -85,7 +86,11 @@ def test_layout_and_dtypes(workers: int) -> None:
         assert got.dtype == dtype, name
         assert np.array_equal(got.numpy(), want.astype(got.numpy().dtype)), name
 
-    routes = batch.routed_experts
+    # Packed by row on the way to the ranks; its rectangle is what a padded backend runs.
+    assert isinstance(batch.routed_experts, PackedRouteRows)
+    assert batch.routed_experts.cu_seqlens.tolist() == [0, 5, 10, 12]
+    assert batch.routed_experts.values.shape == (12, 2, 2)
+    routes = batch.routed_experts.rectangle()
     assert routes.dtype == torch.int16 and routes.shape == (3, 7, 2, 2)
     # Trajectory 0: prompt 3 at columns 0-2, response tokens at 3-4; token 4 uncaptured.
     src = out.routed_experts
