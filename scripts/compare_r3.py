@@ -53,6 +53,11 @@ ALG = "trainer.algorithm"
 ARMS: dict[str, tuple[str, list[str]]] = {
     "r3": ("R3 on", [f"{REPLAY_KEY}=true"]),
     "no_r3": ("R3 off", [f"{REPLAY_KEY}=false"]),
+    # Issue 52's learning target: the same recipe trained on packed microbatches.
+    "r3_packed": (
+        "R3 on, packed",
+        [f"{REPLAY_KEY}=true", "trainer.remove_microbatch_padding=true"],
+    ),
     "gspo": (
         "GSPO, R3 off",
         [

@@ -197,7 +197,8 @@ def test_resume_reproduces_the_next_step(first_run: FirstRun, tmp_path: Path) ->
 
 @pytest.fixture(scope="module")
 def sampled_history(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, float]]:
-    """Three steps sampled at temperature 1.5 with top-p 0.9 (sampler replay)."""
+    """Three steps sampled at temperature 1.5 with top-p 0.9 (sampler replay), trained
+    packed (``trainer.remove_microbatch_padding``) in token-budget microbatches."""
     run_dir = tmp_path_factory.mktemp("sampled") / "run"
     overrides = [
         *SMALL,
@@ -207,6 +208,9 @@ def sampled_history(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, 
         "trainer.eval_interval=0",
         "generator.sampling_params.temperature=1.5",
         "generator.sampling_params.top_p=0.9",
+        "trainer.remove_microbatch_padding=true",
+        # A few rows a microbatch: more than one microbatch a step, each packed.
+        "trainer.max_tokens_per_microbatch=48",
     ]
     with launch(load_config(overrides)) as job:
         return job.train()
@@ -223,6 +227,8 @@ def test_a_tempered_top_p_run_scores_tokens_as_they_were_sampled(
     default = max(row[key] for row in first_run.history)
     for row in sampled_history:
         assert math.isfinite(row["train/policy_loss"])
+        # Packed with R3 on: every packed token replayed the rollout's experts.
+        assert row["r3/router_agreement_trained"] == 1.0
         assert row[key] <= 2 * max(default, 1e-5), (row[key], default)
     print(
         f"mean |dlogp| default {default:.3g}, T=1.5 top-p 0.9 "

@@ -3,7 +3,8 @@ each family (transformers' own model classes, routes replayed by the gate hooks)
 weights pushed to the builtin engine and the served-weights check after every push
 (``SMALL``), a checkpoint every step, an evaluation and the end-of-run Hugging Face
 export. OLMoE and Mixtral run fully async (generation one step ahead, TIS), so the
-backend is shown to change nothing in either loop.
+backend is shown to change nothing in either loop; Mixtral trains packed
+(``trainer.remove_microbatch_padding``) in token-budget microbatches.
 
 The export is checked as ``test_main_base_families.py`` checks Megatron's, against an
 oracle that shares nothing with the export path: the rank file's tensors loaded into
@@ -28,6 +29,7 @@ pytestmark = pytest.mark.slow
 
 STEPS = 3
 ASYNC = ("olmoe", "mixtral")
+PACKED = "mixtral"
 
 
 # Every family trains on FSDP at worker level in the suite (test_fsdp_families.py), and
@@ -58,6 +60,10 @@ def test_three_fsdp_steps_on_a_checkpoint_of_each_family(tmp_path: Path, family:
             "logging.plot=false",
             f"trainer.fully_async.enabled={str(fully_async).lower()}",
             f"trainer.algorithm.use_tis={str(fully_async).lower()}",
+            # Mixtral also trains packed, in token-budget microbatches: the FSDP packed
+            # path through a whole run (async, checkpoints, evaluation, export).
+            f"trainer.remove_microbatch_padding={str(family == PACKED).lower()}",
+            f"trainer.max_tokens_per_microbatch={48 if family == PACKED else -1}",
         )
     )
     history = run(cfg)

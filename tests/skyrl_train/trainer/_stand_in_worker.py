@@ -13,6 +13,7 @@ import torch
 from inference.models.architecture import MoEArchitecture
 from skyrl_train.algorithms.mismatch import RouterAgreement, router_agreement
 from skyrl_train.dataset.batch import TrainingBatch
+from skyrl_train.dataset.route_rows import PackedRouteRows
 from skyrl_train.workers.base import (
     EntropyLossFn,
     ForwardResult,
@@ -84,8 +85,11 @@ class StandInWorker:
     def rollout_router_agreement(
         self, batch: TrainingBatch, routes: torch.Tensor
     ) -> RouterAgreement:
-        assert batch.routed_experts is not None
-        return router_agreement(routes, batch.routed_experts, ~batch.attention_mask.bool())
+        rollout = batch.routed_experts
+        assert rollout is not None
+        if isinstance(rollout, PackedRouteRows):  # as collated
+            rollout = rollout.rectangle()
+        return router_agreement(routes, rollout, ~batch.attention_mask.bool())
 
     def train_step(
         self,

@@ -26,6 +26,7 @@ from _step_checks import clipped_grads, steady, steady_worst
 
 from inference.models.tiny_moe import TinyMoEConfig, build_hf_model
 from skyrl_train.config.schema import MegatronConfig, OptimizerConfig
+from skyrl_train.dataset.route_rows import PackedRouteRows
 from skyrl_train.workers.microbatches import MicrobatchPlan
 
 PROMPTS = [[72, 105, 33], [1, 2, 3, 4, 5], [40, 41], [9, 8, 7, 6]]
@@ -47,7 +48,9 @@ def batch(routes: torch.Tensor) -> Any:
     return dataclasses.replace(out, sample_support=support)
 
 
-def agreement(got: torch.Tensor, want: torch.Tensor, batch: Any) -> float:
+def agreement(got: torch.Tensor, want: Any, batch: Any) -> float:
+    if isinstance(want, PackedRouteRows):
+        want = want.rectangle()
     real = ~batch.router_padding_mask
     same = (got.sort(-1).values == want.sort(-1).values).all(-1)[real]
     return float(same.float().mean())
@@ -120,6 +123,9 @@ def run_case(
             worker.load_weights([(embed, wide)])
         assert torch.equal(dict(worker.export_weights())[embed], hf_state[embed])
     plan = REORDERED if packed else None
+    if packed:  # the routes as collation hands them over: packed by row
+        rows = PackedRouteRows.from_rectangle(rollout.routed_experts, rollout.attention_mask)
+        rollout = dataclasses.replace(rollout, routed_experts=rows)
     first = worker.forward(rollout, capture_routes=True, entropy=True, micro_batch_size=plan)
     out["logprobs"], out["entropy"] = first.logprobs, first.entropy
     out["r3_forward"] = agreement(first.routes, rollout.routed_experts, rollout)

@@ -27,6 +27,7 @@ from inference.models.families import FAMILIES, describe
 from inference.models.tiny_moe import TinyMoEConfig
 from skyrl_train.config.schema import FSDPConfig, OptimizerConfig
 from skyrl_train.dataset.batch import TrainingBatch, slice_batch
+from skyrl_train.dataset.route_rows import PackedRouteRows
 from skyrl_train.trainer.policy import checkpoint_weights
 from skyrl_train.workers.fsdp import FSDPPolicyWorker
 from skyrl_train.workers.fsdp import packed as packed_attention
@@ -110,19 +111,22 @@ def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
 def test_packed_forward_and_step_match_padded(pair: Pair) -> None:
     pair.fresh()
     padded, packed, batch = pair.padded, pair.packed, pair.batch
+    # The packed worker gets the routes as collation hands them over: packed by row.
+    rows = PackedRouteRows.from_rectangle(batch.routed_experts, batch.attention_mask)
+    as_collated = dataclasses.replace(batch, routed_experts=rows)
     forward = dict(micro_batch_size=MICRO, replay_routes=True, capture_routes=True, entropy=True)
-    want, got = padded.forward(batch, **forward), packed.forward(batch, **forward)
+    want, got = padded.forward(batch, **forward), packed.forward(as_collated, **forward)
     assert _worst(got.logprobs, want.logprobs) <= TOL, pair.name
     assert got.entropy is not None and want.entropy is not None
     assert _worst(got.entropy, want.entropy) <= TOL
     assert got.routes is not None and torch.equal(got.routes, want.routes)
-    assert packed.rollout_router_agreement(batch, got.routes).agreement == 1.0
+    assert packed.rollout_router_agreement(as_collated, got.routes).agreement == 1.0
 
     step = dict(loss_fn=_loss, micro_batch_size=MICRO, entropy=True, capture_routes=True)
-    step_want, step_got = padded.train_step(batch, **step), packed.train_step(batch, **step)
+    step_want, step_got = padded.train_step(batch, **step), packed.train_step(as_collated, **step)
     assert step_got.replayed and step_got.num_microbatches == 3
     assert step_got.routes is not None
-    assert packed.rollout_router_agreement(batch, step_got.routes).agreement == 1.0
+    assert packed.rollout_router_agreement(as_collated, step_got.routes).agreement == 1.0
     assert abs(step_got.loss - step_want.loss) <= 1e-6, (step_got.loss, step_want.loss)
     relative = abs(step_got.grad_norm - step_want.grad_norm) / step_want.grad_norm
     assert relative <= TOL, (pair.name, step_got.grad_norm, step_want.grad_norm)
