@@ -182,6 +182,27 @@ def test_reordering_plan_returns_rows_in_batch_order(builtin: Pair, layout: str)
     assert step.routes is not None and torch.equal(step.routes, want.routes)
 
 
+def test_r2_replays_the_packed_forwards_own_routes(builtin: Pair) -> None:
+    """R2 packed: the old-logprob forward's captured routes (the batch layout, as the
+    trainer puts them on the update batch) replay in a packed update step exactly as in
+    a padded one, and every update router agrees with them."""
+    builtin.fresh()
+    batch = dataclasses.replace(builtin.batch, routed_experts=None, router_padding_mask=None)
+    own = builtin.packed.forward(batch, micro_batch_size=MICRO, capture_routes=True)
+    want_own = builtin.padded.forward(batch, micro_batch_size=MICRO, capture_routes=True)
+    real = batch.attention_mask.bool()  # padding columns: routed padded, filler packed
+    assert own.routes is not None and torch.equal(own.routes[real], want_own.routes[real])
+    r2 = dataclasses.replace(
+        batch, routed_experts=own.routes, router_padding_mask=~batch.attention_mask.bool()
+    )
+    step = dict(loss_fn=_loss, micro_batch_size=MICRO, entropy=True, capture_routes=True)
+    got, want = builtin.packed.train_step(r2, **step), builtin.padded.train_step(r2, **step)
+    assert got.replayed and got.routes is not None
+    assert builtin.packed.rollout_router_agreement(r2, got.routes).agreement == 1.0
+    assert abs(got.loss - want.loss) <= 1e-6
+    assert abs(got.grad_norm - want.grad_norm) <= TOL * want.grad_norm
+
+
 def test_sdpa_kernel_per_row_matches_padded(builtin: Pair) -> None:
     packed = _packed_worker(builtin.folder, builtin.arch, attention="sdpa")
     assert packed.model.config._attn_implementation == "skyrl_packed_sdpa"
