@@ -24,10 +24,10 @@ def _composed(overrides: list[str]) -> tuple[PPOConfig, list[str]]:
     return cfg, [str(w.message) for w in seen if issubclass(w.category, FutureWarning)]
 
 
-def test_the_defaults_are_rows_padded_and_no_alias() -> None:
+def test_the_defaults_are_rows_packed_and_no_alias() -> None:
     cfg, warned = _composed([])
     t = cfg.trainer
-    assert (t.max_tokens_per_microbatch, t.remove_microbatch_padding) == (-1, False)
+    assert (t.max_tokens_per_microbatch, t.remove_microbatch_padding) == (-1, True)
     assert t.use_sample_packing is None and warned == []
 
 
@@ -72,37 +72,38 @@ def test_the_old_name_reaches_the_new_key_with_a_warning(value: bool) -> None:
 
 
 def test_the_new_key_alone_gives_no_warning() -> None:
-    cfg, warned = _composed([f"{KEY}=true"])
-    assert cfg.trainer.remove_microbatch_padding is True and warned == []
+    cfg, warned = _composed([f"{KEY}=false"])
+    assert cfg.trainer.remove_microbatch_padding is False and warned == []
 
 
 def test_the_two_names_set_to_the_same_value_are_accepted() -> None:
-    cfg, warned = _composed([f"{KEY}=true", f"{ALIAS}=true"])
-    assert cfg.trainer.remove_microbatch_padding is True and len(warned) == 1
+    cfg, warned = _composed([f"{KEY}=false", f"{ALIAS}=false"])
+    assert cfg.trainer.remove_microbatch_padding is False and len(warned) == 1
 
 
 def test_the_two_names_set_differently_are_refused_naming_both() -> None:
+    # The new key counts as set when it differs from its default (true).
     with pytest.raises(ConfigValidationError) as info:
-        load_config([f"{KEY}=true", f"{ALIAS}=false"])
+        load_config([f"{KEY}=false", f"{ALIAS}=true"])
     assert info.value.path == ALIAS
-    assert f"equal to {KEY} (true)" in info.value.reason
-    assert str(info.value).endswith("got false")
+    assert f"equal to {KEY} (false)" in info.value.reason
+    assert str(info.value).endswith("got true")
 
 
 def test_a_config_built_in_python_is_resolved_at_validation() -> None:
     cfg = PPOConfig()
-    cfg.trainer.use_sample_packing = True
+    cfg.trainer.use_sample_packing = False
     with pytest.warns(FutureWarning, match=f"{ALIAS} is deprecated"):
         validate_cfg(cfg)
-    assert cfg.trainer.remove_microbatch_padding is True
+    assert cfg.trainer.remove_microbatch_padding is False
     assert cfg.trainer.use_sample_packing is None
     resolve_sample_packing(cfg)  # idempotent: nothing left to move
     conflicting = PPOConfig()
-    conflicting.trainer.remove_microbatch_padding = True
-    conflicting.trainer.use_sample_packing = False
+    conflicting.trainer.remove_microbatch_padding = False
+    conflicting.trainer.use_sample_packing = True
     with pytest.raises(ConfigValidationError) as info:
         validate_cfg(conflicting)
     assert info.value.path == ALIAS
     # Refused as it came: neither key rewritten.
-    assert conflicting.trainer.remove_microbatch_padding is True
-    assert conflicting.trainer.use_sample_packing is False
+    assert conflicting.trainer.remove_microbatch_padding is False
+    assert conflicting.trainer.use_sample_packing is True

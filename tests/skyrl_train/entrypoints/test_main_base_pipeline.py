@@ -43,6 +43,8 @@ PIPELINE = with_overrides(
     "logging.plot=false",
     # An export after every step: both stages stream in lockstep mid-run as well.
     "trainer.hf_save_interval=1",
+    # Padded rows (packing is the default): the padded layout's launch on Megatron.
+    "trainer.remove_microbatch_padding=false",
 )
 INTERLEAVED = [
     f"{MC}.virtual_pipeline_model_parallel_size=2",
