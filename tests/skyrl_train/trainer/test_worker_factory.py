@@ -110,7 +110,7 @@ def test_megatron_gets_the_runs_replay_mode_in_its_node(
     # A copy: the run's own node keeps its alias unset.
     assert cfg.trainer.policy.megatron_config.moe_enable_routing_replay is None
     assert built.kwargs["pad_token_id"] == 7 and built.kwargs["seed"] == cfg.trainer.seed
-    assert built.kwargs["remove_microbatch_padding"] is False  # the default: padded
+    assert built.kwargs["remove_microbatch_padding"] is True  # the default: packed
 
 
 def test_strategy_builds_the_other_backend_on_the_same_config(
