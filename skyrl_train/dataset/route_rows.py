@@ -23,7 +23,31 @@ import torch
 
 from inference.wire import route_filler
 
-__all__ = ["PackedRouteRows", "RouteTensor"]
+__all__ = [
+    "PackedRouteRows",
+    "RouteTensor",
+    "batch_positions",
+    "route_filler_tensor",
+    "token_offsets",
+]
+
+
+def route_filler_tensor(routes: torch.Tensor) -> torch.Tensor:
+    """``route_filler`` for ``[..., K]`` routes, in their dtype: the fill of their padding rows."""
+    return torch.from_numpy(route_filler(routes.shape[-1], np.int64)).to(routes.dtype)
+
+
+def token_offsets(lengths: torch.Tensor) -> torch.Tensor:
+    """``[sum lengths]`` each token's index within its row, rows packed one after another."""
+    firsts = torch.cumsum(lengths, 0) - lengths
+    return torch.arange(int(lengths.sum())) - torch.repeat_interleave(firsts, lengths)
+
+
+def batch_positions(lengths: torch.Tensor, starts: torch.Tensor, width: int) -> torch.Tensor:
+    """``[sum lengths]`` each packed token's place in the flattened ``[B * width]`` batch
+    layout, row b's tokens from column ``starts[b]``."""
+    rows = torch.repeat_interleave(torch.arange(lengths.shape[0]), lengths)
+    return rows * width + starts[rows] + token_offsets(lengths)
 
 
 @dataclass(frozen=True)
@@ -131,19 +155,14 @@ class PackedRouteRows:
     def batch_index(self, *, contiguous: bool = False) -> torch.Tensor:
         """``[T]`` each packed token's place in the flattened ``[B * S]`` batch layout
         (``contiguous``: in the layout with each row moved to column 0)."""
-        lengths = self.lengths
-        rows = torch.repeat_interleave(torch.arange(self.num_rows), lengths)
-        within = torch.arange(self.values.shape[0]) - torch.repeat_interleave(
-            self.cu_seqlens[:-1] - self.cu_seqlens[0], lengths
-        )
-        column = within if contiguous else self.starts[rows] + within
-        return rows * self.width + column
+        starts = torch.zeros_like(self.starts) if contiguous else self.starts
+        return batch_positions(self.lengths, starts, self.width)
 
     def rectangle(self, *, contiguous: bool = False) -> torch.Tensor:
         """``[B, S, L, K]`` with ``route_filler`` off the rows' tokens: one microbatch's,
         for a backend that runs padded rows (``contiguous``: rows from column 0)."""
         rows, width, layers, top_k = self.shape
-        filler = torch.from_numpy(route_filler(top_k, np.int64)).to(self.device, self.dtype)
+        filler = route_filler_tensor(self.values).to(self.device)
         out = filler.expand(rows * width, layers, top_k).clone()
         out[self.batch_index(contiguous=contiguous).to(self.device)] = self.values
         return out.view(rows, width, layers, top_k)
@@ -151,9 +170,7 @@ class PackedRouteRows:
     def _token_index(self, rows: torch.Tensor) -> torch.Tensor:
         lengths = self.lengths[rows]
         first = self.cu_seqlens[:-1][rows] - self.cu_seqlens[0]
-        offsets = torch.cumsum(lengths, 0) - lengths
-        within = torch.arange(int(lengths.sum())) - torch.repeat_interleave(offsets, lengths)
-        return torch.repeat_interleave(first, lengths) + within
+        return torch.repeat_interleave(first, lengths) + token_offsets(lengths)
 
 
 RouteTensor = torch.Tensor | PackedRouteRows

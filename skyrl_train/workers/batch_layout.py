@@ -19,14 +19,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-import numpy as np
 import torch
 
-from inference.wire import route_filler
 from skyrl_train.algorithms.sampler_replay import SamplerReplay, pick_targets, sampler_logits
 from skyrl_train.algorithms.signals import token_entropy
 from skyrl_train.dataset.batch import TrainingBatch, select_rows, slice_batch
-from skyrl_train.dataset.route_rows import PackedRouteRows
+from skyrl_train.dataset.route_rows import PackedRouteRows, route_filler_tensor
 from skyrl_train.errors import RouteReplayError
 from skyrl_train.workers.microbatches import MicrobatchPlan
 
@@ -106,11 +104,6 @@ def shift_rows(
     fill_t = torch.as_tensor(fill, dtype=x.dtype).expand_as(moved)
     keep = inside.reshape(batch, seq, *([1] * (x.dim() - 2))).expand_as(x)
     return torch.where(keep, moved, fill_t)
-
-
-def route_filler_tensor(routes: torch.Tensor) -> torch.Tensor:
-    """``route_filler`` for ``[..., K]`` routes, in their dtype: the fill of their padding rows."""
-    return torch.from_numpy(route_filler(routes.shape[-1], np.int64)).to(routes.dtype)
 
 
 def row_extents(batch: TrainingBatch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -296,9 +289,3 @@ def score_responses(
     if entropy:
         return response_logprobs_and_entropy(logits, layout, mask, sampler=sampler, shard=shard)
     return response_logprobs(logits, layout, mask, sampler=sampler, shard=shard), None
-
-
-def routes_to_batch_layout(routes: torch.Tensor, layout: ScoredLayout) -> torch.Tensor:
-    """Routes captured on ``layout``'s rows (contiguous or packed), moved back to the
-    batch's ``[b, S, L, K]`` layout (on the CPU); the padding gets ``route_filler``."""
-    return layout.to_batch_layout(routes)

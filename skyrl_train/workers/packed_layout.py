@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from skyrl_train.dataset.batch import TrainingBatch
-from skyrl_train.dataset.route_rows import PackedRouteRows
+from skyrl_train.dataset.route_rows import PackedRouteRows, batch_positions, token_offsets
 from skyrl_train.workers.batch_layout import aligned_route_rows, route_filler_tensor, row_extents
 
 __all__ = ["PackedBatch", "pack_rows"]
@@ -83,16 +83,14 @@ class PackedBatch:
         """Routes ``[1, T', L, K]`` captured on the packed row (``T' >= real tokens``),
         as ``[b, S, L, K]`` in the batch layout (CPU); every other position holds
         ``route_filler``."""
-        routes = routes.cpu()
         rows = self.lengths.shape[0]
-        out = route_filler_tensor(routes).expand(rows, self.width, *routes.shape[2:]).clone()
-        flat, packed = self._batch_index()
-        out.view(rows * self.width, *routes.shape[2:])[flat] = routes[0, packed]
-        return out
-
-    def _batch_index(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(flat batch-layout index, packed index)`` of every real token."""
-        return _index(self.lengths, self.shifts, self.row_starts, self.width)
+        captured = PackedRouteRows(
+            values=routes.cpu()[0, : self.real_tokens],
+            cu_seqlens=self.cu_seqlens[: rows + 1].to(torch.int64),
+            starts=self.shifts,
+            width=self.width,
+        )
+        return captured.rectangle()
 
     def padded_to(self, length: int, *, pad_token_id: int) -> PackedBatch:
         """This row with a tail up to ``length`` tokens, the tail one more document of
@@ -123,15 +121,6 @@ class PackedBatch:
         return self.padded_to(total + (-total % multiple), pad_token_id=pad_token_id)
 
 
-def _index(
-    lengths: torch.Tensor, shifts: torch.Tensor, row_starts: torch.Tensor, width: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    rows = torch.repeat_interleave(torch.arange(lengths.shape[0]), lengths)
-    within = torch.arange(int(lengths.sum())) - torch.repeat_interleave(row_starts, lengths)
-    flat = rows * width + shifts[rows] + within
-    return flat, row_starts[rows] + within
-
-
 def pack_rows(batch: TrainingBatch, *, pad_token_id: int = 0) -> PackedBatch:
     """The microbatch ``batch``'s real tokens packed into one row, its routes with them;
     only the real tokens' routes are copied, never a rectangle of them."""
@@ -139,9 +128,8 @@ def pack_rows(batch: TrainingBatch, *, pad_token_id: int = 0) -> PackedBatch:
     lengths = batch.attention_mask.to(torch.int64).sum(dim=1)
     rows, width = batch.sequences.shape
     row_starts = torch.cumsum(lengths, 0) - lengths
-    flat, _ = _index(lengths, shifts, row_starts, width)
+    flat = batch_positions(lengths, shifts, width)
     tokens = batch.sequences.reshape(-1)[flat].to(torch.int64)
-    within = torch.arange(flat.shape[0]) - torch.repeat_interleave(row_starts, lengths)
     padding = torch.zeros(flat.shape[0], dtype=torch.bool)
     routes = None
     if isinstance(batch.routed_experts, PackedRouteRows):
@@ -157,7 +145,7 @@ def pack_rows(batch: TrainingBatch, *, pad_token_id: int = 0) -> PackedBatch:
     cu[1:] = torch.cumsum(lengths, 0)
     return PackedBatch(
         tokens=tokens[None],
-        positions=within[None],
+        positions=token_offsets(lengths)[None],
         cu_seqlens=cu,
         row_starts=row_starts,
         lengths=lengths,

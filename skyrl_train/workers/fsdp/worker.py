@@ -41,7 +41,6 @@ from skyrl_train.workers.batch_layout import (
     ContiguousBatch,
     as_plan,
     make_contiguous,
-    routes_to_batch_layout,
     score_responses,
     split_microbatches,
 )
@@ -255,7 +254,7 @@ class FSDPPolicyWorker:
                     if ent is not None:
                         entropies.append(ent.cpu())
                     if capture_routes:
-                        routes.append(routes_to_batch_layout(recorder.routes(), layout))
+                        routes.append(layout.to_batch_layout(recorder.routes()))
         finally:
             # Without a backward nothing reshards a layer kept gathered after its
             # forward (reshard_after_forward=False), and while gathered FSDP2 registers
@@ -345,7 +344,7 @@ class FSDPPolicyWorker:
                 # mean (algorithms/token_mean.py).
                 (value / count).backward()
             if capture:
-                routes.append(routes_to_batch_layout(recorder.routes(), layout))
+                routes.append(layout.to_batch_layout(recorder.routes()))
 
     def _microbatches(
         self, batch: TrainingBatch, size: int | MicrobatchPlan | None

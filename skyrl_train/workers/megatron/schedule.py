@@ -38,8 +38,6 @@ from skyrl_train.workers.megatron.layout import (
     make_contiguous,
     pad_columns,
     pad_rows,
-    route_filler_tensor,
-    shift_rows,
 )
 from skyrl_train.workers.megatron.model import causal_attention_mask
 from skyrl_train.workers.megatron.packed_rows import (
@@ -257,13 +255,12 @@ def gather_routes(
         if isinstance(layout, PackedBatch):
             # [1, T, L_local, K] on the packed row, its tail dropped by to_batch_layout.
             local = torch.stack([seen[i] for i in range(len(routers.modules))], dim=2)
-            local = layout.to_batch_layout(local)
         else:
             seq = layout.tokens.shape[1]  # the input's sequence-parallel padding dropped
             local = torch.stack(
                 [seen[i][: mb.batch_size, :seq] for i in range(len(routers.modules))], dim=2
             )
-            local = shift_rows(local, -layout.shifts, route_filler_tensor(local))
+        local = layout.to_batch_layout(local)
         full = torch.zeros(*local.shape[:2], routers.num_layers, local.shape[3], dtype=local.dtype)
         full[:, :, list(routers.route_layers)] = local
         parts.append(full)
