@@ -330,6 +330,9 @@ class PolicyTrainer:
         r2_counts: list[tuple[float, float]] = []
         lr: float | None = None
         skipped = 0
+        # Each mini-batch's plan, made (and its count agreed) in the first epoch and kept
+        # for the later ones, which train the same rows.
+        plans: dict[int, MicrobatchPlan] = {}
         for epoch in range(t.update_epochs_per_batch):
             for k, start in enumerate(range(0, batch.batch_size, mini)):
                 part = slice_batch(batch, start, min(start + mini, batch.batch_size))
@@ -348,7 +351,9 @@ class PolicyTrainer:
                 # The same count on every rank (the plan agrees it), so each divides
                 # by the same share of the token mean over the global mini-batch
                 # (algorithms/token_mean.py); the worker does the rest.
-                micro = self._microbatches(part, t.micro_train_batch_size_per_gpu)
+                if k not in plans:
+                    plans[k] = self._microbatches(part, t.micro_train_batch_size_per_gpu)
+                micro = plans[k]
                 tokens = microbatch_denominator(global_tokens, microbatches=micro.count, dp_size=dp)
 
                 loss_fn = policy_loss_fn(
