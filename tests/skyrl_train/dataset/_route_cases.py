@@ -133,3 +133,15 @@ BAD_BATCH_ARGUMENTS = [
         r"routed_experts\[0\]\.shape\[2\]: expected topk <= 256 for uint8, got 300",
     ),
 ]
+
+
+def large_case():
+    """``(samples, lengths kwargs)``: 48 layers x top-8 uint8, rows long enough that one
+    trajectory spans several 256 KiB copy blocks."""
+    rng = np.random.default_rng(0)
+    prompts, responses = [300, 17, 1200, 5], [900, 1000, 3, 640]
+    samples = [
+        rng.integers(0, 64, size=(p + r - 1, 48, 8), dtype=np.uint8)
+        for p, r in zip(prompts, responses, strict=True)
+    ]
+    return samples, {"prompt_lengths": prompts, "response_lengths": responses}

@@ -17,6 +17,7 @@ from tests.skyrl_train.dataset._route_cases import (
     BAD_BATCH_ARGUMENTS,
     BAD_SAMPLES,
     batches,
+    large_case,
     ok,
     reference,
 )
@@ -68,14 +69,8 @@ def test_route_filler_is_k_distinct_experts() -> None:
 
 
 def test_large_rows_parallel_equals_serial() -> None:
-    rng = np.random.default_rng(0)
-    prompts, responses = [300, 17, 1200, 5], [900, 1000, 3, 640]
-    # 48 layers x top-8: a 1,200-row piece spans several 256 KiB copy blocks.
-    samples = [
-        rng.integers(0, 64, size=(p + r - 1, 48, 8), dtype=np.uint8)
-        for p, r in zip(prompts, responses, strict=True)
-    ]
-    kw = {"prompt_lengths": prompts, "response_lengths": responses}
+    samples, kw = large_case()
+    prompts, responses = kw["prompt_lengths"], kw["response_lengths"]
     serial = collate_routed_experts(samples, **kw, workers=1)
     parallel = collate_routed_experts(samples, **kw, workers=2)
     want, want_mask = reference(samples, prompts, responses)

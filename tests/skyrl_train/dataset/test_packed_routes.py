@@ -25,6 +25,7 @@ from tests.skyrl_train.dataset._route_cases import (
     BAD_BATCH_ARGUMENTS,
     BAD_SAMPLES,
     batches,
+    large_case,
     ok,
     reference,
 )
@@ -137,14 +138,8 @@ def test_no_rectangle_is_allocated(monkeypatch) -> None:
 
 
 def test_large_rows_pooled_equals_serial() -> None:
-    rng = np.random.default_rng(0)
-    prompts, responses = [300, 17, 1200, 5], [900, 1000, 3, 640]
-    # 48 layers x top-8: a 1,200-row segment spans several 256 KiB copy blocks.
-    samples = [
-        rng.integers(0, 64, size=(p + r - 1, 48, 8), dtype=np.uint8)
-        for p, r in zip(prompts, responses, strict=True)
-    ]
-    kw = {"prompt_lengths": prompts, "response_lengths": responses}
+    samples, kw = large_case()
+    prompts, responses = kw["prompt_lengths"], kw["response_lengths"]
     serial = collate_packed_routes(samples, **kw, workers=1)
     want, want_mask = packed_reference(samples, prompts, responses)
     assert serial.routed_experts.tobytes() == want.tobytes()

@@ -17,6 +17,20 @@ from skyrl_train.trainer.policy import checkpoint_weights
 from skyrl_train.workers.fsdp import FSDPPolicyWorker
 
 
+def policy_loss(logprobs: torch.Tensor, mb: TrainingBatch, entropy: torch.Tensor) -> torch.Tensor:
+    """A token-mean policy-gradient-like loss with an entropy bonus: every input the
+    step differentiates reaches it."""
+    mask = mb.loss_mask.to(logprobs.dtype)
+    assert mb.rollout_logprobs is not None
+    advantage = mb.rollout_logprobs.to(logprobs.device) + 0.5
+    return -((logprobs * advantage + 0.01 * entropy) * mask).sum() / mask.sum()
+
+
+def worst(a: torch.Tensor, b: torch.Tensor) -> float:
+    """The largest absolute difference."""
+    return float((a - b).abs().max())
+
+
 def build_megatron(
     checkpoint: Path,
     architecture: MoEArchitecture,

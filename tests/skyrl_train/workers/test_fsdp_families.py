@@ -18,30 +18,20 @@ from pathlib import Path
 import pytest
 import torch
 from _fsdp_pairs import build_pair, layout_batch
+from _fsdp_pairs import policy_loss as _loss
+from _fsdp_pairs import worst as _worst
 from _megatron_batches import PAD_ID
 from _step_checks import clipped_grads, steady_worst
 
 from inference.models.architecture import TinySizes
 from inference.models.families import FAMILIES, describe
 from skyrl_train.config.schema import OptimizerConfig
-from skyrl_train.dataset.batch import TrainingBatch
 from skyrl_train.trainer.policy import checkpoint_weights
 
 SIZES = TinySizes()
 OPT = OptimizerConfig(lr=1e-2, max_grad_norm=1.0)
 TOL = 1e-5
 MICRO = 2
-
-
-def _loss(logprobs: torch.Tensor, mb: TrainingBatch, entropy: torch.Tensor) -> torch.Tensor:
-    mask = mb.loss_mask.to(logprobs.dtype)
-    assert mb.rollout_logprobs is not None
-    advantage = mb.rollout_logprobs.to(logprobs.device) + 0.5
-    return -((logprobs * advantage + 0.01 * entropy) * mask).sum() / mask.sum()
-
-
-def _worst(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).abs().max())
 
 
 class Case:

@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 from _fsdp_pairs import build_fsdp, layout_batch
+from _fsdp_pairs import policy_loss as _loss
+from _fsdp_pairs import worst as _worst
 from _megatron_batches import PAD_ID
 from _step_checks import clipped_grads, steady_worst
 
@@ -26,7 +28,7 @@ from inference.models.checkpoint import builtin_checkpoint
 from inference.models.families import FAMILIES, describe
 from inference.models.tiny_moe import TinyMoEConfig
 from skyrl_train.config.schema import FSDPConfig, OptimizerConfig
-from skyrl_train.dataset.batch import TrainingBatch, slice_batch
+from skyrl_train.dataset.batch import slice_batch
 from skyrl_train.dataset.route_rows import PackedRouteRows
 from skyrl_train.trainer.policy import checkpoint_weights
 from skyrl_train.workers.fsdp import FSDPPolicyWorker
@@ -37,17 +39,6 @@ OPT = OptimizerConfig(lr=1e-2, max_grad_norm=1.0)
 TOL = 1e-5
 MICRO = 2  # five rows: three packed microbatches, the last one a single row
 REORDERED = MicrobatchPlan(((0, 3), (1, 4), (2,)))
-
-
-def _loss(logprobs: torch.Tensor, mb: TrainingBatch, entropy: torch.Tensor) -> torch.Tensor:
-    mask = mb.loss_mask.to(logprobs.dtype)
-    assert mb.rollout_logprobs is not None
-    advantage = mb.rollout_logprobs.to(logprobs.device) + 0.5
-    return -((logprobs * advantage + 0.01 * entropy) * mask).sum() / mask.sum()
-
-
-def _worst(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).abs().max())
 
 
 class Pair:

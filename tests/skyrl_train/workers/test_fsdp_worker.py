@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 from _fsdp_pairs import build_fsdp, build_pair, layout_batch
+from _fsdp_pairs import policy_loss as _loss
+from _fsdp_pairs import worst as _close
 from _megatron_batches import PAD_ID
 from _ranks import run_group
 from _step_checks import clipped_grads, steady_worst
@@ -32,19 +34,6 @@ ARCH = CFG.architecture()
 OPT = OptimizerConfig(lr=1e-2, max_grad_norm=1.0)
 TOL = 1e-5
 MICRO = 2  # five rows: three microbatches, the last one shorter
-
-
-def _loss(logprobs: torch.Tensor, mb: TrainingBatch, entropy: torch.Tensor) -> torch.Tensor:
-    """A token-mean policy-gradient-like loss with an entropy bonus: every input the
-    step differentiates reaches it."""
-    mask = mb.loss_mask.to(logprobs.dtype)
-    assert mb.rollout_logprobs is not None
-    advantage = mb.rollout_logprobs.to(logprobs.device) + 0.5
-    return -((logprobs * advantage + 0.01 * entropy) * mask).sum() / mask.sum()
-
-
-def _close(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).abs().max())
 
 
 @pytest.fixture(scope="module")
