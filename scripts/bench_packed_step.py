@@ -185,7 +185,7 @@ def megatron_workers(
 
 
 def megatron_attention(cfg: TinyMoEConfig, lengths: list[int]) -> Callable[[], None]:
-    from skyrl_train.workers.megatron.packed_attention import document_attention
+    from skyrl_train.workers.packed_layout import document_attention
 
     total = sum(lengths)
     gen = torch.Generator().manual_seed(0)

@@ -32,7 +32,7 @@ from skyrl_train.dataset.batch import TrainingBatch
 from skyrl_train.dataset.route_rows import PackedRouteRows, batch_positions, token_offsets
 from skyrl_train.workers.batch_layout import aligned_route_rows, route_filler_tensor, row_extents
 
-__all__ = ["PackedBatch", "pack_rows"]
+__all__ = ["PackedBatch", "document_attention", "pack_rows"]
 
 
 @dataclass(frozen=True)
@@ -155,3 +155,49 @@ def pack_rows(batch: TrainingBatch, *, pad_token_id: int = 0) -> PackedBatch:
         routes=routes,
         width=width,
     )
+
+
+def document_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    *,
+    scale: float | None,
+    dropout: float = 0.0,
+) -> torch.Tensor:
+    """Causal attention within each document of a packed row: ``query`` ``[T, h, d]``,
+    ``key``/``value`` ``[T, g, d]`` (``h`` a multiple of ``g``, grouped-query heads
+    repeated), ``cu_seqlens`` ``[docs + 1]`` covering all ``T``; returns ``[T, h * d]``.
+    ``scale`` None: SDPA's own, 1/sqrt(d). Both backends' packed attention on the CPU
+    (Megatron's ``PackedDotProductAttention``, FSDP's ``skyrl_packed_sdpa``)."""
+    total, heads, _dim = query.shape
+    bounds = [int(b) for b in cu_seqlens.tolist()]
+    if (
+        bounds[0] != 0
+        or bounds[-1] != total
+        or any(a > b for a, b in zip(bounds, bounds[1:], strict=False))
+    ):
+        raise ValueError(
+            f"cu_seqlens: expected 0 .. {total} non-decreasing (the packed row's tokens), "
+            f"got {bounds[:4]}{' ...' if len(bounds) > 4 else ''} ending {bounds[-1]}"
+        )
+    repeat = heads // key.shape[1]
+    if repeat > 1:
+        key = key.repeat_interleave(repeat, dim=1)
+        value = value.repeat_interleave(repeat, dim=1)
+    parts = []
+    for start, end in zip(bounds, bounds[1:], strict=False):
+        if end == start:
+            continue
+        # [n, h, d] -> [h, n, d]: one document's heads as SDPA's batch.
+        out = torch.nn.functional.scaled_dot_product_attention(
+            query[start:end].transpose(0, 1),
+            key[start:end].transpose(0, 1),
+            value[start:end].transpose(0, 1),
+            is_causal=True,
+            scale=scale,
+            dropout_p=dropout,
+        )
+        parts.append(out.transpose(0, 1).reshape(end - start, -1))
+    return torch.cat(parts)

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from skyrl_train.workers.packed_layout import PackedBatch
+from skyrl_train.workers.packed_layout import PackedBatch, document_attention
 
 __all__ = ["attention_implementation", "model_kwargs", "register_attention"]
 
@@ -150,17 +150,16 @@ def _sdpa_documents(
     dropout: float = 0.0,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """torch's fused causal attention on each document alone (as ``_eager_documents``)."""
-    key, value = _grouped(module, key, value)
-    outputs = [
-        torch.nn.functional.scaled_dot_product_attention(
-            query[:, :, start:end],
-            key[:, :, start:end],
-            value[:, :, start:end],
-            dropout_p=dropout if module.training else 0.0,
-            is_causal=True,
-            scale=scaling,
-        )
-        for start, end in _documents(kwargs, query)
-    ]
-    return torch.cat(outputs, dim=2).transpose(1, 2).contiguous(), None
+    """torch's fused causal attention on each document alone (as ``_eager_documents``):
+    ``packed_layout.document_attention``, the Megatron backend's too."""
+    _documents(kwargs, query)  # the boundaries and window checked as the eager kernel's
+    _batch, heads, total, dim = query.shape
+    out = document_attention(  # [1, heads, T, dim] -> [T, heads, dim]
+        query[0].transpose(0, 1),
+        key[0].transpose(0, 1),
+        value[0].transpose(0, 1),
+        kwargs["cu_seq_lens_q"],
+        scale=scaling,
+        dropout=dropout if module.training else 0.0,
+    )
+    return out.view(1, total, heads, dim), None

@@ -25,55 +25,12 @@ import importlib.util
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
-__all__ = ["core_attention_for_packing", "document_attention", "packed_dot_product_attention"]
+from skyrl_train.workers.packed_layout import document_attention
+
+__all__ = ["core_attention_for_packing", "packed_dot_product_attention"]
 
 PACKING_KEY = "trainer.remove_microbatch_padding"
-
-
-def document_attention(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    cu_seqlens: torch.Tensor,
-    *,
-    scale: float,
-    dropout: float = 0.0,
-) -> torch.Tensor:
-    """Causal attention within each document of a packed row: ``query`` ``[T, h, d]``,
-    ``key``/``value`` ``[T, g, d]`` (``h`` a multiple of ``g``, grouped-query heads
-    repeated), ``cu_seqlens`` ``[docs + 1]`` covering all ``T``; returns ``[T, h * d]``."""
-    total, heads, _dim = query.shape
-    bounds = [int(b) for b in cu_seqlens.tolist()]
-    if (
-        bounds[0] != 0
-        or bounds[-1] != total
-        or any(a > b for a, b in zip(bounds, bounds[1:], strict=False))
-    ):
-        raise ValueError(
-            f"cu_seqlens: expected 0 .. {total} non-decreasing (the packed row's tokens), "
-            f"got {bounds[:4]}{' ...' if len(bounds) > 4 else ''} ending {bounds[-1]}"
-        )
-    repeat = heads // key.shape[1]
-    if repeat > 1:
-        key = key.repeat_interleave(repeat, dim=1)
-        value = value.repeat_interleave(repeat, dim=1)
-    parts = []
-    for start, end in zip(bounds, bounds[1:], strict=False):
-        if end == start:
-            continue
-        # [n, h, d] -> [h, n, d]: one document's heads as SDPA's batch.
-        out = F.scaled_dot_product_attention(
-            query[start:end].transpose(0, 1),
-            key[start:end].transpose(0, 1),
-            value[start:end].transpose(0, 1),
-            is_causal=True,
-            scale=scale,
-            dropout_p=dropout,
-        )
-        parts.append(out.transpose(0, 1).reshape(end - start, -1))
-    return torch.cat(parts)
 
 
 @functools.cache

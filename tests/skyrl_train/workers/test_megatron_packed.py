@@ -15,10 +15,10 @@ from _layout_checks import REORDERED, TOL, batch, checkpoint, compare, run_case
 from _megatron_batches import PAD_ID, random_routes
 
 from skyrl_train.workers.batch_layout import split_microbatches
-from skyrl_train.workers.megatron.packed_attention import document_attention
 from skyrl_train.workers.megatron.packed_rows import pack_microbatches
 from skyrl_train.workers.megatron.pipeline import PipelineGroup
 from skyrl_train.workers.microbatches import MicrobatchPlan
+from skyrl_train.workers.packed_layout import document_attention
 
 NO_PIPELINE = PipelineGroup(size=1, rank=0, virtual_stages=None)
 
