@@ -41,7 +41,7 @@ def main() -> None:
     right: dict[str, list[int]] = collections.defaultdict(lambda: [0, 0])
     wrong: collections.Counter[tuple[str, str, str]] = collections.Counter()
     for letters in itertools.product(ALPHABET, repeat=TURNS):
-        env = RepeatLetterEnv(letters="".join(letters))
+        env = RepeatLetterEnv(extras={"letters": "".join(letters)})
         prompt, _ = env.init([{"role": "user", "content": f"Repeat: {letters[0]}"}])
         ids = renderer.initial(prompt)
         context = "first"
@@ -50,13 +50,13 @@ def main() -> None:
                 token = int(model(torch.tensor([ids])).logits[0, -1].argmax())
             reply = tokenizer.decode([token])
             out = env.step(reply)
-            correct = bool(out.metadata["correct"])
+            correct = bool(out["metadata"]["correct"])
             for key in (f"letter {letter}", f"context {context}", f"turn {turn}"):
                 right[key][0] += correct
                 right[key][1] += 1
             if not correct:
                 wrong[(context, letter, reply)] += 1
-            ids = renderer.extend([*ids, token], out.observations)
+            ids = renderer.extend([*ids, token], out["observations"])
             context = "after right" if correct else "after wrong"
     for key in sorted(right):
         hits, turns = right[key]

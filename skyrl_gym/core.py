@@ -1,43 +1,63 @@
-"""The environment API: ``init(prompt) -> (observation, info)`` then ``step`` until done.
+"""The environment API, in SkyRL's shape: ``init(prompt) -> (observations, info)``,
+``step(action) -> {observations, reward, done, metadata}``, ``close()``.
 
-An episode's prompt and observations are chat messages (``{"role", "content"}``); the
-generator renders each observation once and appends its tokens, so environments keep
-observations to a few bytes (the tiny byte-level model pays one token per byte).
+``Env`` is SkyRL's root class (``skyrl_gym.Env``); text environments subclass
+``skyrl_gym.envs.base_text_env.BaseTextEnv``. An episode's prompt and observations are
+chat messages (``{"role", "content"}``); the generator renders each observation once
+and appends its tokens, so environments keep observations short (the tiny byte-level
+model pays one token per byte).
+
+Added here, on top of SkyRL's API: ``Task`` (one dataset row), and ``action_text`` /
+``first_char`` for parsing replies a byte-level model may have made invalid UTF-8.
 """
 
 from __future__ import annotations
 
-import abc
-import random
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
 
-from skyrl_gym.errors import EnvError
-
+ObsType = TypeVar("ObsType")
+ActType = TypeVar("ActType")
 Message = dict[str, str]
 
 
-@dataclass
-class StepOutput:
-    """What one ``step`` returns.
+class Env(Generic[ObsType, ActType]):
+    """SkyRL's base environment: ``init`` before the first ``step``, ``close`` at the end.
 
-    ``observations`` are the messages to append (empty when ``done``); ``reward`` is
-    this step's reward, the trajectory reward is the sum over steps.
-    """
+    ``make`` accepts only instances of this class (SkyRL's rule), and sets ``spec``."""
 
-    observations: list[Message]
-    reward: float
-    done: bool
-    metadata: dict[str, Any] = field(default_factory=dict)
+    spec: Any = None
+    """The ``EnvSpec`` ``make`` built this environment from (None when built directly)."""
+
+    def step(self, action: ActType) -> Any:
+        raise NotImplementedError(f"{type(self).__name__}.step")
+
+    def init(self, *args: Any) -> tuple[ObsType, dict[str, Any]]:
+        raise NotImplementedError(f"{type(self).__name__}.init")
+
+    def close(self) -> None:  # noqa: B027 - optional hook, SkyRL's default does nothing
+        """Release resources (database connections, processes); idempotent."""
+
+    def __str__(self) -> str:
+        return f"Env({type(self).__name__})"
+
+    def __enter__(self) -> Env[ObsType, ActType]:
+        return self
+
+    def __exit__(self, *args: Any) -> None:
+        self.close()
 
 
 @dataclass(frozen=True)
 class Task:
-    """One dataset row: the prompt, and the keyword arguments for ``make(env_name, ...)``."""
+    """One dataset row: the prompt, and what ``make(env_name, env_config=...,
+    extras=env_extras)`` gets for it."""
 
     prompt: list[Message]
     env_name: str
     env_extras: dict[str, Any]
+    """The row's fields other than ``prompt`` and ``env_class`` (SkyRL's ``extras``:
+    ``reward_spec``, ``extra_info``, ``max_turns``, ...), or a generated task's own."""
     data_source: str = ""
     """Where the row came from (a dataset row's ``data_source``; generated rows: the
     environment's name); metrics are also reported per source."""
@@ -60,64 +80,3 @@ def first_char(action: str | bytes) -> str:
     """The first non-whitespace character of the reply, or "" for an empty reply."""
     stripped = action_text(action).strip()
     return stripped[:1]
-
-
-class Env(abc.ABC):
-    """Base class: counts turns, refuses stepping a finished episode, clamps rewards.
-
-    Subclasses implement ``_step(action, turn)``; ``turn`` counts from 0. They never
-    raise on a bad action: it earns its reward (usually 0) and a short message.
-    """
-
-    name: str = "env"
-    max_turns: int = 1
-
-    def __init__(self) -> None:
-        self.turn = 0
-        self.done = False
-        self.initialized = False
-
-    def init(self, prompt: list[Message]) -> tuple[list[Message], dict[str, Any]]:
-        """Start an episode from the dataset's prompt; returns the messages to render."""
-        if not isinstance(prompt, list) or not all(
-            isinstance(m, dict)
-            and isinstance(m.get("content"), str)
-            and isinstance(m.get("role"), str)
-            for m in prompt
-        ):
-            raise EnvError(
-                f"{self.name}.init(prompt): expected a list of {{'role', 'content'}} str "
-                f"messages, got {prompt!r:.120}"
-            )
-        self.turn = 0
-        self.done = False
-        self.initialized = True
-        return list(prompt), {"max_turns": self.max_turns}
-
-    def step(self, action: str | bytes) -> StepOutput:
-        if not self.initialized:
-            raise EnvError(f"{self.name}.step: expected init() first, got a step before init")
-        if self.done:
-            raise EnvError(
-                f"{self.name}.step: expected an unfinished episode, got step {self.turn} after done"
-            )
-        out = self._step(action_text(action), self.turn)
-        self.turn += 1
-        if self.turn >= self.max_turns:
-            out.done = True
-        if out.done:
-            out.observations = []
-            self.done = True
-        out.metadata.setdefault("turn", self.turn - 1)
-        return out
-
-    @abc.abstractmethod
-    def _step(self, action: str, turn: int) -> StepOutput: ...
-
-    def close(self) -> None:  # noqa: B027 - optional hook, not abstract
-        """Release resources; text environments hold none."""
-
-    @classmethod
-    def sample_task(cls, rng: random.Random) -> tuple[list[Message], dict[str, Any]]:
-        """One seeded prompt and its ``env_extras``; used by ``skyrl_gym.make_dataset``."""
-        raise EnvError(f"{cls.__name__}.sample_task: expected an implementation, got none")

@@ -1,19 +1,61 @@
-"""Keyword-argument checks shared by the built-in environments."""
+"""Reading an environment's settings (``env_config``) and a row's fields (``extras``)
+with errors that name where the value came from."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
-from skyrl_gym.errors import EnvError
+from skyrl_gym.error import EnvError
+
+_MISSING = object()
 
 
-def check_int(env: str, name: str, value: Any, *, low: int, high: int) -> int:
+def config_value(env_config: Any, env: str, key: str, default: Any) -> Any:
+    """``env_config[key]`` (a mapping, an OmegaConf node or an object with the
+    attribute), ``default`` when absent or when ``env_config`` is None."""
+    if env_config is None:
+        return default
+    if isinstance(env_config, Mapping) or hasattr(env_config, "get"):
+        value = env_config.get(key, _MISSING)
+    else:
+        value = getattr(env_config, key, _MISSING)
+    return default if value is _MISSING or value is None else value
+
+
+def check_settings(env_config: Any, env: str, known: tuple[str, ...]) -> None:
+    """Refuse a setting the environment does not read: a misspelt key would otherwise
+    be silently ignored."""
+    if env_config is None:
+        return
+    keys = list(env_config.keys()) if hasattr(env_config, "keys") else []
+    unknown = sorted(str(k) for k in keys if k not in known)
+    if unknown:
+        raise EnvError(
+            f"environment.skyrl_gym.{env}: expected settings among {sorted(known)}, got {unknown}"
+        )
+
+
+def extra(extras: Mapping[str, Any] | None, env: str, key: str) -> Any:
+    """The row field ``extras[key]``; refused when missing."""
+    if extras is None or not isinstance(extras, Mapping):
+        raise EnvError(f"{env}.extras: expected a mapping of the row's fields, got {extras!r:.80}")
+    if extras.get(key) is None:
+        raise EnvError(f"{env}.extras.{key}: expected a value, got none (keys: {sorted(extras)})")
+    return extras[key]
+
+
+def setting_path(env: str, key: str) -> str:
+    return f"environment.skyrl_gym.{env}.{key}"
+
+
+def check_int(field: str, value: Any, *, low: int, high: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-        raise EnvError(f"{env}.{name}: expected an int in [{low}, {high}], got {value!r}")
+        raise EnvError(f"{field}: expected an int in [{low}, {high}], got {value!r}")
     return value
 
 
-def check_fraction(env: str, name: str, value: Any) -> float:
+def check_fraction(field: str, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
-        raise EnvError(f"{env}.{name}: expected a number in [0, 1], got {value!r}")
+        raise EnvError(f"{field}: expected a number in [0, 1], got {value!r}")
     return float(value)

@@ -25,7 +25,7 @@ from collections.abc import Mapping
 from decimal import Decimal
 from typing import Any
 
-from skyrl_gym.errors import EnvError
+from skyrl_gym.error import EnvError
 
 __all__ = [
     "RULE_METHODS",

@@ -124,7 +124,7 @@ TEMPLATES: tuple[Callable[[random.Random, int], ArithProblem], ...] = (
 
 def sample_problem(rng: random.Random, *, difficulty: int = 1) -> ArithProblem:
     """One problem drawn from ``rng``; the same generator state gives the same problem."""
-    check_int("arith_problems", "difficulty", difficulty, low=1, high=len(DIFFICULTIES))
+    check_int("arith_problems.difficulty", difficulty, low=1, high=len(DIFFICULTIES))
     return rng.choice(TEMPLATES)(rng, difficulty)
 
 

@@ -13,6 +13,10 @@ expressions are at most 200 characters, nested at most 32 deep, and no number ma
 reach 10**100 (a power is refused from its operands' sizes before it is computed), so
 any input is answered in well under a millisecond. Tool errors are observations
 (``<result>error: …</result>``), never exceptions.
+
+The tool is a ``ToolGroup`` (``CalculatorToolGroup``), called through
+``BaseTextEnv._execute_tool`` as any SkyRL tool is. ``max_turns`` is a setting
+(``environment.skyrl_gym.calculator.max_turns``, 4).
 """
 
 from __future__ import annotations
@@ -23,8 +27,9 @@ from collections.abc import Mapping
 from fractions import Fraction
 from typing import Any
 
-from skyrl_gym.core import Env, Message, StepOutput
-from skyrl_gym.envs._checks import check_int
+from skyrl_gym.core import Message, action_text
+from skyrl_gym.envs._checks import check_int, check_settings, config_value, setting_path
+from skyrl_gym.envs._turns import begin_turn, end_turn
 from skyrl_gym.envs.answers import (
     answers_match,
     check_extra_info,
@@ -32,7 +37,9 @@ from skyrl_gym.envs.answers import (
     extract_answer,
 )
 from skyrl_gym.envs.arith_problems import sample_graded
-from skyrl_gym.errors import EnvError
+from skyrl_gym.envs.base_text_env import BaseTextEnv, BaseTextEnvStepOutput
+from skyrl_gym.error import EnvError
+from skyrl_gym.tools.core import ToolGroup, tool
 
 MAX_EXPR_CHARS = 200
 MAX_DEPTH = 32
@@ -220,42 +227,64 @@ def calculator_prompt(question: str) -> list[Message]:
     return [{"role": "user", "content": f"{question.strip()}\n{TOOL_HELP}"}]
 
 
-class CalculatorEnv(Env):
-    name = "calculator"
+class CalculatorToolGroup(ToolGroup):
+    def __init__(self) -> None:
+        super().__init__(name="CalculatorToolGroup")
 
-    def __init__(
-        self,
-        *,
-        reward_spec: Mapping[str, Any],
-        extra_info: Mapping[str, Any] | None = None,
-        max_turns: int = 4,
-    ) -> None:
+    @tool
+    def calc(self, expr: str) -> str:
+        """The ``<result>`` message for one expression (an error is a result too)."""
+        result, _failed = run_tool(expr)
+        return f"<result>{result}</result>"
+
+
+NAME = "calculator"
+
+
+class CalculatorEnv(BaseTextEnv):
+    def __init__(self, env_config: Any = None, extras: Mapping[str, Any] | None = None) -> None:
         super().__init__()
-        self.ground_truth = check_reward_spec(self.name, reward_spec)
-        self.extra_info = check_extra_info(self.name, extra_info)
-        self.max_turns = check_int(self.name, "max_turns", max_turns, low=1, high=64)
+        check_settings(env_config, NAME, ("max_turns",))
+        extras = extras if extras is not None else {}
+        self.ground_truth = check_reward_spec(NAME, extras.get("reward_spec"))
+        self.extra_info = check_extra_info(NAME, extras.get("extra_info"))
+        self.max_turns = check_int(
+            setting_path(NAME, "max_turns"),
+            config_value(env_config, NAME, "max_turns", 4),
+            low=1,
+            high=64,
+        )
+        self.tools = CalculatorToolGroup()
+        self.init_tool_groups([self.tools])
         self.tool_calls = 0
         self.tool_errors = 0
 
-    def init(self, prompt: list[Message]) -> tuple[list[Message], dict[str, Any]]:
-        self.tool_calls = self.tool_errors = 0
-        return super().init(prompt)
-
-    def _step(self, action: str, turn: int) -> StepOutput:
-        answer = extract_answer(action, strict=True)
+    def step(self, action: str) -> BaseTextEnvStepOutput:
+        begin_turn(self, NAME)
+        text = action_text(action)
+        answer = extract_answer(text, strict=True)
         if answer is not None:
             solved = answers_match(answer, self.ground_truth)
-            return StepOutput([], 1.0 if solved else 0.0, True, self._metadata(solved, answer))
-        expr = find_call(action)
+            return end_turn(
+                self,
+                observations=[],
+                reward=1.0 if solved else 0.0,
+                done=True,
+                metadata=self._metadata(solved, answer),
+            )
+        expr = find_call(text)
         if expr is None:
             message = HINT
         else:
-            result, failed = run_tool(expr)
+            message = self._execute_tool(self.tools.name, "calc", (expr,))
             self.tool_calls += 1
-            self.tool_errors += failed
-            message = f"<result>{result}</result>"
-        return StepOutput(
-            [{"role": "user", "content": message}], 0.0, False, self._metadata(False, None)
+            self.tool_errors += message.startswith("<result>error: ")
+        return end_turn(
+            self,
+            observations=[{"role": "user", "content": message}],
+            reward=0.0,
+            done=False,
+            metadata=self._metadata(False, None),
         )
 
     def _metadata(self, solved: bool, extracted: str | None) -> dict[str, Any]:
@@ -265,6 +294,9 @@ class CalculatorEnv(Env):
             "tool_calls": self.tool_calls,
             "tool_errors": self.tool_errors,
         }
+
+    def get_metrics(self) -> dict[str, Any]:
+        return {"tool_calls": self.tool_calls, "tool_errors": self.tool_errors}
 
     @classmethod
     def sample_task(

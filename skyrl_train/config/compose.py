@@ -160,7 +160,8 @@ def group_options(group: str) -> list[str]:
 def unknown_key_error(key: str) -> ConfigValidationError:
     parent = key.rsplit(".", 1)[0] if "." in key else ""
     known = sorted(_all_keys())
-    close = [MOVED[key]] if key in MOVED else []
+    moved = [new + key[len(old) :] for old, new in MOVED.items() if f"{key}.".startswith(f"{old}.")]
+    close = moved[:1]
     close = close or difflib.get_close_matches(key, known, n=1, cutoff=0.6)
     if not close:  # a leaf misspelt beyond the whole-key cutoff: try its siblings
         siblings = [k for k in known if k.rsplit(".", 1)[0] == parent] if parent else []
@@ -181,6 +182,7 @@ MOVED: dict[str, str] = {
     "generator.max_trajectory_tokens": "generator.max_response_tokens",
     "logging.jsonl": "logging.trackers",
     "logging.tensorboard": "logging.trackers",
+    "environment.kwargs": "environment.skyrl_gym.<env_class>",
 }
 """Keys renamed by the config tree's rework (issue 14), so an old launch script is told
 where its key went: difflib alone suggests ``model.path`` for ``model.top_k``."""

@@ -93,8 +93,10 @@ class EnvironmentConfig:
     """A name registered in ``skyrl_gym`` (``skyrl_gym.registered()``, entry points of
     the ``skyrl_gym.envs`` group included): the environment of dataset rows that name
     none, and the generated dataset's environment when ``data.train_data`` is empty."""
-    kwargs: dict[str, Any] = field(default_factory=dict)
-    """Passed to every environment's constructor as keyword arguments."""
+    skyrl_gym: dict[str, Any] = field(default_factory=dict)
+    """Per-environment settings, SkyRL's ``environment.skyrl_gym.<env_class>`` nodes:
+    each environment is built as ``make(env_class, env_config=<its node>,
+    extras=<the row's fields>)`` (``docs/environments.md``)."""
 
 
 DATA_SUFFIXES = (".parquet", ".jsonl", ".json")

@@ -181,10 +181,15 @@ def _check_environment(cfg: PPOConfig) -> None:
     # not take fails here, before Ray and the model start, not at the first rollout.
     try:
         (task,) = skyrl_gym.make_dataset(env.env_class, num_prompts=1, seed=0)
-        built = skyrl_gym.make(env.env_class, **{**task.env_extras, **env.kwargs})
-        getattr(built, "close", lambda: None)()
+        built = skyrl_gym.make_task_env(
+            env.env_class,
+            task.env_extras,
+            env_configs=env.skyrl_gym,
+            max_turns=cfg.generator.max_turns,
+        )
+        built.close()
     except skyrl_gym.EnvError as exc:
-        raise ConfigValidationError("environment.kwargs", str(exc)) from exc
+        raise ConfigValidationError(f"environment.skyrl_gym.{env.env_class}", str(exc)) from exc
 
 
 def _check_data(cfg: PPOConfig) -> None:

@@ -1,11 +1,12 @@
 """Prompt datasets: rows from parquet or JSON Lines files, checked before anything starts.
 
 Row schema (SkyRL's): ``prompt`` (a non-empty list of ``{role, content}`` strings),
-``env_class`` (a registered environment, or null for ``environment.env_class``),
-``reward_spec`` (``{method, ground_truth}``), and optional ``data_source`` (a string)
-and ``extra_info`` (a mapping). Other columns are ignored. A row becomes a
-``skyrl_gym.Task`` whose environment is ``make(env_class, reward_spec=...,
-extra_info=..., **environment.kwargs)``; one environment per row is built while
+``env_class`` (a registered environment, or null for ``environment.env_class``), and
+any other fields the environment reads: ``reward_spec`` (``{method, ground_truth}``),
+``data_source`` (a string), ``extra_info`` (a mapping), ``max_turns``, ``db_id``...
+A row becomes a ``skyrl_gym.Task`` whose environment is ``make(env_class,
+env_config=environment.skyrl_gym.<env_class>, extras=<every field but prompt and
+env_class>)``, as SkyRL's generator builds it; one environment per row is built while
 loading, so a row its environment refuses fails now, naming the file and row.
 
 Files are read with pyarrow: parquet is what SkyRL's dataset scripts write, pyarrow
@@ -43,7 +44,8 @@ __all__ = [
     "sample_step",
 ]
 
-_REQUIRED = ("prompt", "reward_spec")
+_REQUIRED = ("prompt",)
+_NOT_EXTRAS = ("prompt", "env_class")
 
 
 def read_rows(path: str | Path, *, key: str) -> list[dict[str, Any]]:
@@ -131,17 +133,20 @@ def _check_row(
             expected=f"a registered environment {skyrl_gym.registered()}",
             got=repr(env_class),
         )
-    spec = row["reward_spec"]
-    if not isinstance(spec, Mapping):
-        raise fail(
-            field="reward_spec", expected="a {method, ground_truth} mapping", got=f"{spec!r:.80}"
-        )
-    if not isinstance(spec.get("method"), str):
-        raise fail(
-            field="reward_spec.method", expected="a string", got=f"{spec.get('method')!r:.80}"
-        )
-    if spec.get("ground_truth") is None:
-        raise fail(field="reward_spec.ground_truth", expected="a value", got="none")
+    spec = row.get("reward_spec")
+    if spec is not None:  # optional: SkyRL's aime rows carry reward_model instead
+        if not isinstance(spec, Mapping):
+            raise fail(
+                field="reward_spec",
+                expected="a {method, ground_truth} mapping",
+                got=f"{spec!r:.80}",
+            )
+        if not isinstance(spec.get("method"), str):
+            raise fail(
+                field="reward_spec.method", expected="a string", got=f"{spec.get('method')!r:.80}"
+            )
+        if spec.get("ground_truth") is None:
+            raise fail(field="reward_spec.ground_truth", expected="a value", got="none")
     source = row.get("data_source")
     if source is not None and not isinstance(source, str):
         raise fail(field="data_source", expected="a string", got=f"{source!r:.80}")
@@ -149,10 +154,11 @@ def _check_row(
     if extra is not None and not isinstance(extra, Mapping):
         raise fail(field="extra_info", expected="a mapping", got=f"{extra!r:.80}")
     messages = [{"role": m["role"], "content": m["content"]} for m in prompt]
+    extras = {name: value for name, value in row.items() if name not in _NOT_EXTRAS}
     return Task(
         prompt=messages,
         env_name=env_class,
-        env_extras={"reward_spec": dict(spec), "extra_info": dict(extra or {})},
+        env_extras=extras,
         data_source=source or env_class,
     )
 
@@ -191,13 +197,17 @@ def read_tasks(
             yield RowRef(file_key, path, number), task
 
 
-def build_environment(ref: RowRef, task: Task, env_kwargs: Mapping[str, Any]) -> None:
-    """Build (and close) ``task``'s environment once with ``env_kwargs``; raises
+def build_environment(
+    ref: RowRef, task: Task, env_configs: Mapping[str, Any], *, max_turns: int | None
+) -> None:
+    """Build (and close) ``task``'s environment once as the generator will; raises
     ``DatasetError`` naming the row when its environment refuses it."""
     try:
-        env = skyrl_gym.make(task.env_name, **{**task.env_extras, **env_kwargs})
-        getattr(env, "close", lambda: None)()
-    except (skyrl_gym.EnvError, TypeError, ValueError) as exc:
+        env = skyrl_gym.make_task_env(
+            task.env_name, task.env_extras, env_configs=env_configs, max_turns=max_turns
+        )
+        env.close()
+    except (skyrl_gym.EnvError, TypeError, ValueError, LookupError, OSError) as exc:
         raise DatasetError(
             ref.key,
             ref.file or "<generated>",
@@ -213,17 +223,18 @@ def load_tasks(
     *,
     key: str,
     default_env_class: str,
-    env_kwargs: Mapping[str, Any],
+    env_configs: Mapping[str, Any],
+    max_turns: int | None = None,
 ) -> list[Task]:
     """Every row of ``paths`` as a ``Task``, in file order; raises ``DatasetError``
     naming ``key[i]``, the file, the row (0-based) and the field of the first bad row.
 
-    Each row's environment is built once (and closed) with ``env_kwargs``, so a
-    ground truth or keyword it refuses is reported here, not mid-run.
+    Each row's environment is built once (and closed) with its ``env_configs`` node,
+    so a ground truth or setting it refuses is reported here, not mid-run.
     """
     tasks = []
     for ref, task in read_tasks(paths, key=key, default_env_class=default_env_class):
-        build_environment(ref, task, env_kwargs)
+        build_environment(ref, task, env_configs, max_turns=max_turns)
         tasks.append(task)
     return tasks
 
@@ -276,7 +287,13 @@ def load_datasets(cfg: PPOConfig) -> PromptDatasets:
     seed = cfg.trainer.seed
 
     def load(paths: list[str], key: str) -> list[Task]:
-        return load_tasks(paths, key=key, default_env_class=env.env_class, env_kwargs=env.kwargs)
+        return load_tasks(
+            paths,
+            key=key,
+            default_env_class=env.env_class,
+            env_configs=env.skyrl_gym,
+            max_turns=cfg.generator.max_turns,
+        )
 
     if cfg.data.train_data:
         train = load(cfg.data.train_data, "data.train_data")

@@ -60,7 +60,9 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
     validate_cfg(cfg, evaluation=True)
     # Schema errors stop the launch here, naming file and row; a row whose environment
     # refuses it is only set aside, unless no row is left to score.
-    rows, refused = check_environments(eval_tasks(cfg), cfg.environment.kwargs)
+    rows, refused = check_environments(
+        eval_tasks(cfg), cfg.environment.skyrl_gym, max_turns=cfg.generator.max_turns
+    )
     if not rows:
         first = refused[0]
         raise DatasetError(

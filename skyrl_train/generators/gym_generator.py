@@ -1,18 +1,20 @@
 """The gym generator: multi-turn rollouts against inference servers, kept as tokens.
 
-Per trajectory: render the prompt once; each turn send the whole conversation with
-``routed_experts_prompt_start = trace.prompt_start``, append the sampled tokens (loss
-mask 1, their logprobs), step the environment on the decoded text, render its
-observation once and append it (loss mask 0, logprob 0.0). Stop on done, max turns or
-the response token budget. Many trajectories run at once (bounded by a semaphore);
-with several servers, trajectory i always talks to server i mod n.
+Per trajectory: build its environment as SkyRL's generator does (``make(env_class,
+env_config=environment.skyrl_gym.<env_class>, extras=<the row's fields>)``), render the
+prompt once; each turn send the whole conversation with ``routed_experts_prompt_start
+= trace.prompt_start``, append the sampled tokens (loss mask 1, their logprobs), step
+the environment on the decoded text, render its observation once and append it (loss
+mask 0, logprob 0.0). Stop on done, max turns or the response token budget. Many
+trajectories run at once (bounded by a semaphore); with several servers, trajectory i
+always talks to server i mod n.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -37,12 +39,13 @@ from skyrl_train.generators.base import (
     choose_logprobs_mode,
     reported_solved,
 )
+from skyrl_train.generators.postprocess import replace_reply
 from skyrl_train.generators.rendering import ChatTemplateRenderer, ObservationRenderer
+from skyrl_train.generators.rollout_metrics import environment_metrics, trajectory_metrics
 from skyrl_train.generators.traces import RoutedExpertTrace
 from skyrl_train.generators.trajectory import (
     STOP_BUDGET,
     STOP_DONE,
-    STOP_MAX_TURNS,
     Trajectory,
 )
 
@@ -62,6 +65,7 @@ class GymGenerator:
         stop_token_ids: Sequence[int] | None = None,
         renderer: ObservationRenderer | None = None,
         vocab_size: int | None = None,
+        env_configs: Mapping[str, Any] | None = None,
     ) -> None:
         """``config``: the ``generator`` node, read as it is (never copied).
         ``seed``: request seeds derive from (seed, generate call, trajectory, turn).
@@ -73,7 +77,8 @@ class GymGenerator:
         every client supports. ``progress``: a tqdm bar over finished trajectories.
         ``stop_token_ids``: None means the renderer's end-of-turn token.
         ``vocab_size``: the model's; with top-p alone every position's kept set is
-        asked for this wide (None: ``max_sample_support_k`` wide)."""
+        asked for this wide (None: ``max_sample_support_k`` wide). ``env_configs``:
+        the ``environment.skyrl_gym`` node (each environment gets its own entry)."""
         self.clients = list(clients) if isinstance(clients, Sequence) else [clients]
         if not self.clients:
             # A caller's mistake, not a config key: no key holds the clients.
@@ -101,6 +106,7 @@ class GymGenerator:
                 cap=min(config.max_sample_support_k, vocab_size or config.max_sample_support_k),
             )
         )
+        self.env_configs = env_configs
         self.seed = seed
         self.progress = progress
         self.tokenizer = tokenizer
@@ -121,8 +127,8 @@ class GymGenerator:
         """Roll out every prompt of ``batch``. ``seed``: request seeds derive from it as
         a new generator's first call with that seed would, so a caller keeping one
         generator for a run (sampling checked once) still chooses each call's seeds.
-        ``make_env(name, **kwargs)`` builds each trajectory's environment (None:
-        ``skyrl_gym.make``). Calls may overlap: each keeps its seeds to itself (the
+        ``make_env(name, env_config=..., extras=...)`` builds each trajectory's
+        environment (None: ``skyrl_gym.make``). Calls may overlap: each keeps its seeds to itself (the
         evaluation command runs one call per dataset row)."""
         n = len(batch.prompts)
         self._calls += 1
@@ -135,7 +141,17 @@ class GymGenerator:
         extras = batch.env_extras or [{} for _ in range(n)]
         # Environments are built up front so a bad name or kwarg fails before any request.
         make = skyrl_gym.make if make_env is None else make_env
-        envs = [make(name, **kw) for name, kw in zip(batch.env_names, extras, strict=True)]
+        envs = [
+            skyrl_gym.make_task_env(
+                name,
+                kw,
+                env_configs=self.env_configs,
+                max_turns=self.config.max_turns,
+                factory=make,
+            )
+            for name, kw in zip(batch.env_names, extras, strict=True)
+        ]
+        episode_metrics: list[dict[str, Any]] = [{} for _ in range(n)]
         gate = asyncio.Semaphore(self.config.max_concurrent_trajectories)
         bar = _progress(n, enabled=self.progress)
         started = time.perf_counter()
@@ -143,9 +159,13 @@ class GymGenerator:
         async def one(i: int) -> Trajectory:
             async with gate:
                 try:
-                    return await self._rollout(i, batch.prompts[i], envs[i], call_key)
+                    traj = await self._rollout(
+                        i, batch.prompts[i], envs[i], batch.env_names[i], call_key
+                    )
+                    episode_metrics[i] = dict(getattr(envs[i], "get_metrics", dict)())
+                    return traj
                 finally:
-                    # Environments from duck-typed factories need not have close().
+                    # A stand-in environment (a test's, the evaluation's watch) may lack it.
                     getattr(envs[i], "close", lambda: None)()
                     if bar is not None:
                         bar.update(1)
@@ -159,13 +179,16 @@ class GymGenerator:
             await asyncio.gather(*tasks, return_exceptions=True)
             if bar is not None:
                 bar.close()
-        return self._output(trajectories, wall_s=time.perf_counter() - started)
+        output = self._output(trajectories, wall_s=time.perf_counter() - started)
+        output.rollout_metrics.update(environment_metrics(batch.env_names, episode_metrics))
+        return output
 
     async def _rollout(
         self,
         index: int,
         prompt: list[dict[str, str]],
         env: Episode,
+        env_name: str,
         call_key: tuple[int, int],
     ) -> Trajectory:
         cfg = self.config
@@ -203,8 +226,18 @@ class GymGenerator:
             traj.turns += 1
             traj.length_finishes += result.finish_reason == "length"
             traj.versions.append(_turn_versions(result))
-            step = env.step(self.tokenizer.decode(generated, skip_special_tokens=True))
-            traj.score_turn(float(step.reward))
+            reply = self.tokenizer.decode(generated, skip_special_tokens=True)
+            step = skyrl_gym.read_step_output(env.step(reply), env=env_name, turn=turn)
+            at = None
+            if step.postprocessed_action is not None and step.postprocessed_action != reply:
+                at = replace_reply(
+                    traj,
+                    self.tokenizer,
+                    generated=generated,
+                    replacement=step.postprocessed_action,
+                    prompt_tokens=len(sent),
+                )
+            traj.score_turn(step.reward, at=at)
             if "solved" in step.metadata:
                 traj.solved = bool(traj.solved) or bool(step.metadata["solved"])
             if step.done:
@@ -305,7 +338,7 @@ class GymGenerator:
             rewards=[t.reward for t in trajs],
             token_rewards=[t.token_rewards() for t in trajs],
             stop_reasons=[t.stop_reason for t in trajs],
-            rollout_metrics=_metrics(trajs, wall_s=wall_s),
+            rollout_metrics=trajectory_metrics(trajs, wall_s=wall_s),
             rollout_logprobs=[t.logprobs for t in trajs] if with_logprobs else None,  # type: ignore[misc]
             routed_experts=routes,  # type: ignore[arg-type]
             rollout_sample_support=[t.support_rows() for t in trajs] if self.support_k else None,
@@ -351,29 +384,6 @@ def _check_extends(index: int, turn: int, before: list[int], after: list[int]) -
         expected=f"{before[at]} (the prompt must extend the previous turn's {len(before)} tokens)",
         got=str(got),
     )
-
-
-def _metrics(trajs: list[Trajectory], *, wall_s: float) -> dict[str, float]:
-    n = max(1, len(trajs))
-    traces = [t.trace for t in trajs if t.trace is not None]
-    metrics = {
-        "generate/num_trajectories": float(len(trajs)),
-        "generate/mean_turns": sum(t.turns for t in trajs) / n,
-        "generate/mean_response_tokens": sum(len(t.response_ids) for t in trajs) / n,
-        "generate/mean_generated_tokens": sum(sum(t.loss_mask) for t in trajs) / n,
-        "generate/mean_reward": sum(t.reward for t in trajs) / n,
-        "generate/length_finishes": float(sum(t.length_finishes for t in trajs)),
-        "generate/wall_s": wall_s,
-    }
-    for reason in (STOP_DONE, STOP_MAX_TURNS, STOP_BUDGET):
-        metrics[f"generate/stop_{reason}"] = sum(t.stop_reason == reason for t in trajs) / n
-    if traces:
-        metrics["generate/route_bytes"] = float(sum(t.bytes_received for t in traces))
-        metrics["generate/route_rows"] = float(sum(t.rows for t in traces))
-        metrics["generate/whole_prefix_replies"] = float(
-            sum(t.whole_prefix_replies for t in traces)
-        )
-    return metrics
 
 
 def _progress(total: int, *, enabled: bool) -> Any:

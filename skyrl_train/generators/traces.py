@@ -125,6 +125,20 @@ class TokenMetadataTrace:
         self._chunks.append(chunk)
         self._rows += expected_rows
 
+    def truncate(self, rows: int) -> None:
+        """Keep the first ``rows`` rows (a reply the environment cut short)."""
+        if not 0 <= rows <= self._rows:
+            raise ValueError(f"truncate.rows: expected 0..{self._rows}, got {rows}")
+        kept: list[np.ndarray] = []
+        left = rows
+        for chunk in self._chunks:
+            if left <= 0:
+                break
+            kept.append(chunk[:left])
+            left -= min(left, chunk.shape[0])
+        self._chunks = kept
+        self._rows = rows
+
     def array(self, *, rows: int | None = None) -> np.ndarray:
         """The first ``rows`` rows (all by default) as one array in the widest dtype."""
         take = self._rows if rows is None else min(rows, self._rows)
@@ -253,6 +267,12 @@ class RoutedExpertTrace:
         self._trace.append(chunk, expected_rows=expected, turn=turn)
         self.bytes_received += routed_experts.nbytes
         self.turns += 1
+
+    def truncate(self, rows: int) -> None:
+        """Keep the first ``rows`` rows; the next turn's prompt start is then ``rows``.
+        Used when the environment replaced the tail of a reply: the rows of the
+        tokens kept are still the routing that produced them."""
+        self._trace.truncate(rows)
 
     def finalize(self, *, token_count: int, loss_mask: Sequence[int]) -> RouteTraceResult:
         """Routes for a trajectory of ``token_count`` tokens (prompt + response).

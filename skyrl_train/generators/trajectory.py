@@ -41,6 +41,8 @@ class Trajectory:
     support: list[np.ndarray] | None = None
     """Per turn ``[n, k]`` kept-set rows aligned with the response tokens appended;
     None unless the run replays a top-k / top-p sampler."""
+    postprocessed_turns: int = 0
+    """Turns whose reply the environment replaced (``postprocessed_action``)."""
     versions: list[tuple[int, ...] | None] = field(default_factory=list)
     """Per turn, every policy version its reply's tokens came from (two or more when
     the reply spanned a weight push); None: the server sent none."""
@@ -72,11 +74,12 @@ class Trajectory:
             else:
                 self.logprobs.extend(logprobs)
 
-    def score_turn(self, reward: float) -> None:
-        """Add the reward of the reply just appended: to the total, and at its last token,
-        so a per-turn estimator can credit each reply with its own turn's outcome."""
+    def score_turn(self, reward: float, *, at: int | None = None) -> None:
+        """Add the reward of the reply just appended: to the total, and at its last token
+        (``at``: another response position, the last sampled token of a replaced
+        reply), so a per-turn estimator can credit each reply with its own outcome."""
         self.reward += reward
-        at = len(self.response_ids) - 1
+        at = len(self.response_ids) - 1 if at is None else at
         self.turn_rewards[at] = self.turn_rewards.get(at, 0.0) + reward
 
     def token_rewards(self) -> list[float]:

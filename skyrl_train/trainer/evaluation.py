@@ -97,7 +97,10 @@ class RowFailure:
 
 
 def check_environments(
-    rows: Sequence[tuple[RowRef, skyrl_gym.Task]], env_kwargs: Mapping[str, Any]
+    rows: Sequence[tuple[RowRef, skyrl_gym.Task]],
+    env_configs: Mapping[str, Any],
+    *,
+    max_turns: int | None,
 ) -> tuple[list[EvalRow], list[RowFailure]]:
     """Build (and close) each row's environment once, as training's loading does, so
     the launch can refuse data no row of which works before anything starts; a row
@@ -106,8 +109,10 @@ def check_environments(
     for index, (ref, task) in enumerate(rows):
         row = EvalRow(index, ref, task)
         try:
-            env = skyrl_gym.make(task.env_name, **{**task.env_extras, **env_kwargs})
-            getattr(env, "close", lambda: None)()
+            env = skyrl_gym.make_task_env(
+                task.env_name, task.env_extras, env_configs=env_configs, max_turns=max_turns
+            )
+            env.close()
         except Exception as exc:  # the row's own code: any exception is the row's failure
             failures.append(RowFailure.of(row, "make", exc))
             continue
@@ -164,7 +169,6 @@ async def score_rows(
     *,
     n: int,
     seed: int,
-    env_kwargs: Mapping[str, Any],
     progress: bool = True,
 ) -> tuple[list[RowSamples], list[RowFailure]]:
     """Sample every row ``n`` times, row i with ``generators[i % len(generators)]``;
@@ -179,7 +183,7 @@ async def score_rows(
         batch = GeneratorInput(
             prompts=[task.prompt] * n,
             env_names=[task.env_name] * n,
-            env_extras=[{**task.env_extras, **env_kwargs} for _ in range(n)],
+            env_extras=[task.env_extras] * n,
         )
         generator = generators[row.index % len(generators)]
         async with gate:
@@ -237,7 +241,15 @@ async def evaluate(
             n,
         )
     generators = [
-        GymGenerator(client, tokenizer, gen, evaluation=True, progress=False, vocab_size=vocab_size)
+        GymGenerator(
+            client,
+            tokenizer,
+            gen,
+            evaluation=True,
+            progress=False,
+            vocab_size=vocab_size,
+            env_configs=cfg.environment.skyrl_gym,
+        )
         for client in clients
     ]
     started = time.perf_counter()
@@ -246,7 +258,6 @@ async def evaluate(
         rows,
         n=n,
         seed=cfg.trainer.seed,
-        env_kwargs=cfg.environment.kwargs,
         progress=cfg.logging.progress_bar,
     )
     failures = sorted([*refused, *failed], key=lambda failure: failure.index)
@@ -259,7 +270,7 @@ async def evaluate(
         "val_data": list(cfg.data.val_data),
         "environment": {
             "env_class": cfg.environment.env_class,
-            "kwargs": dict(cfg.environment.kwargs),
+            "skyrl_gym": dict(cfg.environment.skyrl_gym),
         },
         "eval_sampling_params": {
             "temperature": sampling.temperature,

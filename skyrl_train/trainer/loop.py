@@ -365,6 +365,7 @@ class GRPOLoop:
                 self.cfg.generator,
                 evaluation=evaluation,
                 vocab_size=self.vocab_size,
+                env_configs=self.cfg.environment.skyrl_gym,
                 # A second, transient bar over trajectories inside each step's rollout.
                 progress=self.cfg.logging.progress_bar,
             )
@@ -426,12 +427,11 @@ class GRPOLoop:
         return metrics
 
     def _input(self, tasks: list[skyrl_gym.Task], n: int) -> GeneratorInput:
-        kwargs = dict(self.cfg.environment.kwargs)
         repeated = [task for task in tasks for _ in range(n)]
         return GeneratorInput(
             prompts=[task.prompt for task in repeated],
             env_names=[task.env_name for task in repeated],
-            env_extras=[{**task.env_extras, **kwargs} for task in repeated],
+            env_extras=[task.env_extras for task in repeated],
         )
 
     # ---- checkpoints -------------------------------------------------------------------

@@ -133,23 +133,24 @@ def test_find_call_takes_the_first_complete_call() -> None:
 
 
 def play(replies: list[str | bytes], **options):
-    env = skyrl_gym.make("calculator", reward_spec=SPEC, extra_info={"index": 3}, **options)
+    extras = {"reward_spec": SPEC, "extra_info": {"index": 3}}
+    env = skyrl_gym.make("calculator", env_config=options or None, extras=extras)
     prompt, info = env.init(PROMPT)
-    assert prompt == PROMPT and info == {"max_turns": env.max_turns}
+    assert prompt == PROMPT and info == {}
     outs = []
     for reply in replies:
         outs.append(env.step(reply))
-        if outs[-1].done:
+        if outs[-1]["done"]:
             break
     return env, outs
 
 
 def test_call_then_answer_scores_one() -> None:
     env, outs = play(["Let me compute. <calc>12 * 7</calc>", "So the answer is\n#### 84"])
-    assert outs[0].observations == [{"role": "user", "content": "<result>84</result>"}]
-    assert (outs[0].reward, outs[0].done) == (0.0, False)
-    assert (outs[1].reward, outs[1].done, outs[1].observations) == (1.0, True, [])
-    assert outs[1].metadata == {
+    assert outs[0]["observations"] == [{"role": "user", "content": "<result>84</result>"}]
+    assert (outs[0]["reward"], outs[0]["done"]) == (0.0, False)
+    assert (outs[1]["reward"], outs[1]["done"], outs[1]["observations"]) == (1.0, True, [])
+    assert outs[1]["metadata"] == {
         "solved": True,
         "extracted": "84",
         "tool_calls": 1,
@@ -161,42 +162,47 @@ def test_call_then_answer_scores_one() -> None:
 def test_errors_hints_and_wrong_answers() -> None:
     env, outs = play(["<calc>12 x 7</calc>", "I am not sure", "<calc>12*7</calc>", "#### 85"])
     assert (
-        outs[0].observations[0]["content"] == "<result>error: names are not allowed: 'x'</result>"
+        outs[0]["observations"][0]["content"]
+        == "<result>error: names are not allowed: 'x'</result>"
     )
-    assert outs[1].observations[0]["content"] == HINT
-    assert outs[3].done and outs[3].reward == 0.0
-    assert outs[3].metadata["solved"] is False and outs[3].metadata["extracted"] == "85"
-    assert (outs[3].metadata["tool_calls"], outs[3].metadata["tool_errors"]) == (2, 1)
+    assert outs[1]["observations"][0]["content"] == HINT
+    assert outs[3]["done"] and outs[3]["reward"] == 0.0
+    assert outs[3]["metadata"]["solved"] is False and outs[3]["metadata"]["extracted"] == "85"
+    assert (outs[3]["metadata"]["tool_calls"], outs[3]["metadata"]["tool_errors"]) == (2, 1)
 
 
 def test_an_answer_ends_the_episode_even_beside_a_call() -> None:
     env, outs = play(["<calc>12*7</calc> #### 84"])
-    assert outs[0].done and outs[0].reward == 1.0 and outs[0].metadata["tool_calls"] == 0
+    assert outs[0]["done"] and outs[0]["reward"] == 1.0 and outs[0]["metadata"]["tool_calls"] == 0
     env, outs = play(["\\boxed{84}"])
-    assert outs[0].done and outs[0].reward == 1.0
+    assert outs[0]["done"] and outs[0]["reward"] == 1.0
 
 
 def test_max_turns_ends_with_zero_unless_the_last_turn_answers() -> None:
     env, outs = play(["<calc>1</calc>"] * 10, max_turns=3)
-    assert len(outs) == 3 and outs[-1].done and outs[-1].observations == []
-    assert sum(o.reward for o in outs) == 0.0 and outs[-1].metadata["tool_calls"] == 3
+    assert len(outs) == 3 and outs[-1]["done"] and outs[-1]["observations"] == []
+    assert sum(o["reward"] for o in outs) == 0.0 and outs[-1]["metadata"]["tool_calls"] == 3
     env, outs = play(["<calc>12*7</calc>", "#### 84"], max_turns=2)
-    assert outs[-1].done and outs[-1].reward == 1.0
+    assert outs[-1]["done"] and outs[-1]["reward"] == 1.0
     with pytest.raises(EnvError, match="after done"):
         env.step("#### 84")
-    env.init(PROMPT)  # a fresh episode starts its counters again
-    assert env.step("<calc>1/0</calc>").metadata["tool_errors"] == 1
+    _, outs = play(["<calc>1/0</calc>"])
+    assert outs[0]["metadata"]["tool_errors"] == 1
 
 
 def test_bad_options_name_the_field() -> None:
     with pytest.raises(
-        EnvError, match=r"calculator.max_turns: expected an int in \[1, 64\], got 0"
+        EnvError,
+        match=r"^environment.skyrl_gym.calculator.max_turns: expected an int in \[1, 64\], got 0",
     ):
-        skyrl_gym.make("calculator", reward_spec=SPEC, max_turns=0)
+        skyrl_gym.make("calculator", env_config={"max_turns": 0}, extras={"reward_spec": SPEC})
+    with pytest.raises(EnvError, match=r"^environment.skyrl_gym.calculator: expected settings"):
+        skyrl_gym.make("calculator", env_config={"turns": 2}, extras={"reward_spec": SPEC})
+    bad_method = {"reward_spec": {"method": "exact", "ground_truth": 1}}
     with pytest.raises(EnvError, match=r"calculator.reward_spec.method"):
-        skyrl_gym.make("calculator", reward_spec={"method": "exact", "ground_truth": 1})
+        skyrl_gym.make("calculator", extras=bad_method)
     with pytest.raises(EnvError, match=r"calculator.reward_spec: expected a mapping"):
-        skyrl_gym.make("calculator", reward_spec=None)
+        skyrl_gym.make("calculator", extras={"reward_spec": None})
 
 
 def test_sampled_tasks_explain_the_tool_and_a_tool_using_policy_solves_them() -> None:
@@ -205,21 +211,23 @@ def test_sampled_tasks_explain_the_tool_and_a_tool_using_policy_solves_them() ->
     for task in tasks:
         assert task.prompt[0]["content"].endswith(TOOL_HELP)
         steps = task.env_extras["extra_info"]["solution"].splitlines()[:-1]
-        env = skyrl_gym.make(task.env_name, max_turns=len(steps) + 1, **task.env_extras)
+        env = skyrl_gym.make(
+            task.env_name, env_config={"max_turns": len(steps) + 1}, extras=task.env_extras
+        )
         env.init(task.prompt)
         for step in steps:  # compute each step with the tool, then answer with the result
             out = env.step(f"<calc>{step.split(' = ')[0]}</calc>")
-            result = re.fullmatch(r"<result>(.*)</result>", out.observations[0]["content"])
+            result = re.fullmatch(r"<result>(.*)</result>", out["observations"][0]["content"])
             assert result and result[1] == step.split(" = ")[1]
         out = env.step(f"#### {result[1]}")
-        assert out.done and out.reward == 1.0 and out.metadata["tool_calls"] == len(steps)
+        assert out["done"] and out["reward"] == 1.0 and out["metadata"]["tool_calls"] == len(steps)
 
 
 def test_arbitrary_bytes_never_crash_and_rewards_stay_in_unit_range() -> None:
     rng = random.Random(0)
     alphabet = b"<calc>/</calc>####0123456789+-*/()%^. x\xff\n"
     for task in skyrl_gym.make_dataset("calculator", num_prompts=60, seed=1):
-        env = skyrl_gym.make(task.env_name, **task.env_extras)
+        env = skyrl_gym.make(task.env_name, extras=task.env_extras)
         env.init(task.prompt)
         done, total = False, 0.0
         while not done:
@@ -228,6 +236,6 @@ def test_arbitrary_bytes_never_crash_and_rewards_stay_in_unit_range() -> None:
             else:
                 reply = bytes(rng.choice(alphabet) for _ in range(rng.randrange(0, 40)))
             out = env.step(b"<calc>" + reply + b"</calc>" if rng.random() < 0.3 else reply)
-            total, done = total + out.reward, out.done
-            assert all(m["role"] == "user" for m in out.observations)
+            total, done = total + out["reward"], out["done"]
+            assert all(m["role"] == "user" for m in out["observations"])
         assert 0.0 <= total <= 1.0

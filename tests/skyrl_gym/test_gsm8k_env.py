@@ -11,7 +11,7 @@ import pytest
 import skyrl_gym
 from skyrl_gym import EnvError
 from skyrl_gym.envs.arith_problems import ArithProblem, sample_problem
-from skyrl_gym.envs.gsm8k import INSTRUCTION
+from skyrl_gym.envs.gsm8k import INSTRUCTION, GSM8kEnv
 
 OPS = {"+": operator.add, "-": operator.sub, "*": operator.mul, "/": operator.truediv}
 ROW = {
@@ -25,25 +25,22 @@ ROW = {
 
 def reward(reply: str | bytes, truth="7", **options) -> tuple[float, dict]:
     """Builds the env the way the dataset loader does, and plays one turn."""
-    env = skyrl_gym.make(
-        "gsm8k", reward_spec={"method": "rule", "ground_truth": truth}, extra_info={}, **options
-    )
+    extras = {"reward_spec": {"method": "rule", "ground_truth": truth}, "extra_info": {}}
+    env = skyrl_gym.make("gsm8k", env_config=options, extras=extras)
     prompt, info = env.init(ROW["prompt"])
-    assert prompt == ROW["prompt"] and info == {"max_turns": 1}
+    assert prompt == ROW["prompt"] and info == {}
     out = env.step(reply)
-    assert out.done and out.observations == []
-    return out.reward, out.metadata
+    assert out["done"] and out["observations"] == []
+    return out["reward"], out["metadata"]
 
 
 def test_a_dataset_row_builds_the_env_as_the_loader_does() -> None:
-    env = skyrl_gym.make(
-        ROW["env_class"], reward_spec=ROW["reward_spec"], extra_info=ROW.get("extra_info") or {}
-    )
-    assert isinstance(env, skyrl_gym.Gsm8kEnv)
+    extras = {k: v for k, v in ROW.items() if k not in ("prompt", "env_class")}
+    env = skyrl_gym.make(ROW["env_class"], env_config=None, extras=extras)
+    assert isinstance(env, GSM8kEnv) and env.strict  # SkyRL's default: only "#### N" counts
     assert env.ground_truth == "7" and env.extra_info == {"split": "test", "index": 0}
-    assert (
-        skyrl_gym.make("gsm8k", reward_spec={"method": "rule", "ground_truth": 7}).extra_info == {}
-    )
+    bare = skyrl_gym.make("gsm8k", extras={"reward_spec": {"method": "rule", "ground_truth": 7}})
+    assert bare.extra_info == {}
 
 
 @pytest.mark.parametrize(
@@ -51,12 +48,12 @@ def test_a_dataset_row_builds_the_env_as_the_loader_does() -> None:
     [
         ("3 + 4 = 7\n#### 7", "7", {}, 1.0, True, "7"),
         ("\\boxed{7}", "7", {}, 1.0, True, "7"),
-        ("3 + 4 = 7", "7", {}, 1.0, True, "7"),  # lenient: the last number
-        ("3 + 4 = 7", "7", {"strict": True}, 0.0, False, None),
+        ("3 + 4 = 7", "7", {"strict": False}, 1.0, True, "7"),  # lenient: the last number
+        ("3 + 4 = 7", "7", {}, 0.0, False, None),  # strict by default, as SkyRL's
         ("#### 8", "7", {}, 0.0, False, "8"),
         ("#### 8", "7", {"format_reward": 0.1}, 0.1, False, "8"),
         ("\\boxed{8}", "7", {"format_reward": 0.1}, 0.1, False, "8"),
-        ("it is 8", "7", {"format_reward": 0.1}, 0.0, False, "8"),  # no format, no bonus
+        ("it is 8", "7", {"format_reward": 0.1, "strict": False}, 0.0, False, "8"),  # no bonus
         ("#### 7.00", "7", {}, 1.0, True, "7"),
         ("#### 1,000", "1000", {}, 1.0, True, "1000"),
         ("#### 1000", "1,000", {}, 1.0, True, "1000"),
@@ -75,19 +72,24 @@ def test_rewards(reply, truth, options, expected, solved, extracted) -> None:
 
 def test_bad_options_and_reward_specs_name_the_field() -> None:
     good = {"method": "rule", "ground_truth": "7"}
-    with pytest.raises(EnvError, match=r"gsm8k.format_reward: expected a float in \[0, 1\], got 2"):
-        skyrl_gym.make("gsm8k", reward_spec=good, format_reward=2)
-    with pytest.raises(EnvError, match=r"gsm8k.strict: expected a bool, got 'yes'"):
-        skyrl_gym.make("gsm8k", reward_spec=good, strict="yes")
+    extras = {"reward_spec": good}
+    with pytest.raises(
+        EnvError, match=r"skyrl_gym.gsm8k.format_reward: expected a number in \[0, 1\], got 2"
+    ):
+        skyrl_gym.make("gsm8k", env_config={"format_reward": 2}, extras=extras)
+    with pytest.raises(EnvError, match=r"skyrl_gym.gsm8k.strict: expected a bool, got 'yes'"):
+        skyrl_gym.make("gsm8k", env_config={"strict": "yes"}, extras=extras)
     with pytest.raises(EnvError, match=r"gsm8k.reward_spec.method: expected one of \['rule'\]"):
-        skyrl_gym.make("gsm8k", reward_spec={"method": "llm_judge", "ground_truth": "7"})
+        skyrl_gym.make(
+            "gsm8k", extras={"reward_spec": {"method": "llm_judge", "ground_truth": "7"}}
+        )
     with pytest.raises(EnvError, match=r"gsm8k.reward_spec.ground_truth: .*got 'x'"):
-        skyrl_gym.make("gsm8k", reward_spec={"method": "rule", "ground_truth": "x"})
+        skyrl_gym.make("gsm8k", extras={"reward_spec": {"method": "rule", "ground_truth": "x"}})
     with pytest.raises(EnvError, match=r"gsm8k.extra_info: expected a mapping or None"):
-        skyrl_gym.make("gsm8k", reward_spec=good, extra_info="split=train")
-    with pytest.raises(EnvError, match=r"make\('gsm8k'\) kwargs"):
-        skyrl_gym.make("gsm8k", reward_spec=good, max_turns=3)
-    with pytest.raises(EnvError, match=r"make\('gsm8k'\) kwargs"):
+        skyrl_gym.make("gsm8k", extras={**extras, "extra_info": "split=train"})
+    with pytest.raises(EnvError, match=r"make\('gsm8k'\).kwargs"):
+        skyrl_gym.make("gsm8k", extras=extras, max_turns=3)
+    with pytest.raises(EnvError, match=r"gsm8k.reward_spec: expected a mapping"):
         skyrl_gym.make("gsm8k")  # reward_spec is required
 
 
@@ -120,21 +122,23 @@ def test_sampled_tasks_are_seeded_and_solvable_with_their_solution() -> None:
     for task in tasks:
         assert task.prompt[0]["content"].endswith(INSTRUCTION)
         assert set(task.env_extras) == {"reward_spec", "extra_info"}
-        env = skyrl_gym.make(task.env_name, **task.env_extras)
+        env = skyrl_gym.make(task.env_name, extras=task.env_extras)
         env.init(task.prompt)
-        assert env.step(task.env_extras["extra_info"]["solution"]).reward == 1.0
-        env = skyrl_gym.make(task.env_name, **task.env_extras)
+        assert env.step(task.env_extras["extra_info"]["solution"])["reward"] == 1.0
+        env = skyrl_gym.make(task.env_name, extras=task.env_extras)
         env.init(task.prompt)
-        assert env.step("#### -1").reward == 0.0
+        assert env.step("#### -1")["reward"] == 0.0
 
 
 def test_arbitrary_bytes_never_crash_and_rewards_stay_in_unit_range() -> None:
     rng = random.Random(0)
     for task in skyrl_gym.make_dataset("gsm8k", num_prompts=50, seed=0):
-        env = skyrl_gym.make(task.env_name, format_reward=0.2, **task.env_extras)
+        env = skyrl_gym.make(
+            task.env_name, env_config={"format_reward": 0.2}, extras=task.env_extras
+        )
         env.init(task.prompt)
         reply = bytes(rng.randrange(256) for _ in range(rng.randrange(0, 200)))
         out = env.step(b"#### " + reply if rng.random() < 0.5 else reply)
-        assert 0.0 <= out.reward <= 1.0 and out.done
+        assert 0.0 <= out["reward"] <= 1.0 and out["done"]
         with pytest.raises(EnvError, match="after done"):
             env.step("#### 1")

@@ -64,11 +64,10 @@ def test_converts_both_splits_into_dataset_rows(tmp_path: Path, capsys, layout: 
 
     # The loader's contract: each row builds its env and the reference solution scores 1.
     for row, (_, solution) in zip([*train, valid], [*TRAIN, *TEST], strict=True):
-        env = skyrl_gym.make(
-            row["env_class"], reward_spec=row["reward_spec"], extra_info=row["extra_info"]
-        )
+        extras = {k: v for k, v in row.items() if k not in ("prompt", "env_class")}
+        env = skyrl_gym.make(row["env_class"], extras=extras)
         env.init(row["prompt"])
-        assert env.step(solution).reward == 1.0
+        assert env.step(solution)["reward"] == 1.0
 
 
 def test_refuses_an_answer_without_a_final_marker_naming_file_and_row(tmp_path: Path, capsys):

@@ -14,6 +14,7 @@ import pytest
 
 import skyrl_gym
 from inference.models.tokenizer import build_byte_tokenizer
+from skyrl_gym.envs.base_text_env import BaseTextEnv, BaseTextEnvStepOutput
 from skyrl_train.algorithms.dynamic_sampling import (
     plan_filter,
     plan_replace,
@@ -134,20 +135,19 @@ def test_concat_joins_rounds_with_and_without_solved_as_unknown() -> None:
     assert some.take([0, 0]).solved is None and some.take([1, 0]).solved == [True, None]
 
 
-class _ScoredEnv(skyrl_gym.Env):
+class _ScoredEnv(BaseTextEnv):
     """One turn. ``vary``: the reply "A" scores 1 and solves, "B" scores 0; otherwise
     every reply scores 0.5. ``report=False``: the metadata never says ``solved``."""
 
-    name = "ds_test_scored"
-
-    def __init__(self, *, vary: bool, report: bool) -> None:
+    def __init__(self, env_config: Any = None, extras: dict[str, Any] | None = None) -> None:
         super().__init__()
-        self.vary, self.report = vary, report
+        self.vary, self.report = (extras or {})["vary"], (extras or {})["report"]
 
-    def _step(self, action: str, turn: int) -> skyrl_gym.StepOutput:
+    def step(self, action: str) -> BaseTextEnvStepOutput:
         solved = self.vary and action.startswith("A")
         reward = (1.0 if solved else 0.0) if self.vary else 0.5
-        return skyrl_gym.StepOutput([], reward, True, {"solved": solved} if self.report else {})
+        metadata = {"solved": solved} if self.report else {}
+        return {"observations": [], "reward": reward, "done": True, "metadata": metadata}
 
 
 class _AlternatingClient:
@@ -210,7 +210,7 @@ def test_filter_mixes_a_round_that_reports_solved_with_one_that_does_not(
     try:
         rollout = asyncio.run(loop.rollout(1, [_AlternatingClient(tokenizer)]))
     finally:
-        skyrl_gym.unregister("ds_test_scored")
+        skyrl_gym.deregister("ds_test_scored")
 
     assert rollout.output.solved == [True, False, False, False]  # round 0 as generated
     chosen = rollout.trained_on

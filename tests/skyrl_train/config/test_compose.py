@@ -116,7 +116,7 @@ def test_overrides_reach_nested_keys_with_types() -> None:
             "generator.inference_engine.host=127.0.0.1",
             "trainer.policy.megatron_config.virtual_pipeline_model_parallel_size=2",
             "+trainer.policy.megatron_config.transformer_config_kwargs.moe_router_fusion=true",
-            "+environment.kwargs.digits=2",  # free-form dicts take new keys with "+"
+            "+environment.skyrl_gym.gsm8k.strict=true",  # free-form dicts take new keys: "+"
         ]
     )
     assert cfg.trainer.num_steps == 3
@@ -126,7 +126,7 @@ def test_overrides_reach_nested_keys_with_types() -> None:
     mc = cfg.trainer.policy.megatron_config
     assert mc.virtual_pipeline_model_parallel_size == 2
     assert mc.transformer_config_kwargs == {"moe_router_fusion": True}
-    assert cfg.environment.kwargs == {"digits": 2}
+    assert cfg.environment.skyrl_gym == {"gsm8k": {"strict": True}}
 
 
 @pytest.mark.parametrize(

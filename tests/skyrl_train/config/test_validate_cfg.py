@@ -469,18 +469,32 @@ def test_data_parallel_split_counts_trajectories_not_prompts() -> None:
     )
 
 
-def test_env_kwargs_the_environment_does_not_take_are_refused_before_launch() -> None:
-    # repeat_letter's turns are its letters; it takes no max_turns.
-    err = _refusal(["environment.env_class=repeat_letter", "+environment.kwargs.max_turns=3"])
-    assert err.path == "environment.kwargs"
-    assert "max_turns" in err.reason
+def test_env_settings_the_environment_does_not_read_are_refused_before_launch() -> None:
+    # repeat_letter's turns are its letters; it reads no max_turns.
+    err = _refusal(
+        ["environment.env_class=repeat_letter", "+environment.skyrl_gym.repeat_letter.max_turns=3"]
+    )
+    assert err.path == "environment.skyrl_gym.repeat_letter"
+    assert "max_turns" in err.reason and "format_credit" in err.reason
     ok = load_config(
-        ["environment.env_class=repeat_letter", "+environment.kwargs.format_credit=0.5"]
+        [
+            "environment.env_class=repeat_letter",
+            "+environment.skyrl_gym.repeat_letter.format_credit=0.5",
+        ]
     )
     validate_cfg(ok)
     validate_cfg(
-        load_config(["environment.env_class=guess_number", "+environment.kwargs.max_turns=3"])
+        load_config(
+            [
+                "environment.env_class=guess_number",
+                "+environment.skyrl_gym.guess_number.max_turns=3",
+            ]
+        )
     )
+    # The key SkyRL's configs don't have is refused with where it went.
+    with pytest.raises(ConfigValidationError) as info:
+        load_config(["+environment.kwargs.format_credit=0.5"])
+    assert info.value.path.startswith("environment.kwargs")
     # The guess_number preset of docs/configuration.md (the settings that took it furthest).
     preset = load_config(["environment=guess_number"])
     validate_cfg(preset)

@@ -14,30 +14,34 @@ import pytest
 import ray
 
 import skyrl_gym
-from skyrl_gym import Env, StepOutput
+from skyrl_gym.envs.base_text_env import BaseTextEnv, BaseTextEnvStepOutput
 from skyrl_train.config.compose import load_config
 from skyrl_train.dataset.prompts import load_datasets, load_tasks, read_rows, sample_step
 from skyrl_train.errors import ConfigValidationError, DatasetError
 
 
-class ExactAnswerEnv(Env):
+class ExactAnswerEnv(BaseTextEnv):
     """One turn: reward 1 when the reply equals the row's ground truth."""
 
     name = "exact_answer_test"
 
-    def __init__(self, *, reward_spec: Mapping[str, Any], extra_info: Mapping[str, Any]) -> None:
+    def __init__(self, env_config: Any = None, extras: Mapping[str, Any] | None = None) -> None:
         super().__init__()
-        self.truth = str(reward_spec["ground_truth"])
+        spec = (extras or {}).get("reward_spec")
+        if not isinstance(spec, Mapping):
+            raise skyrl_gym.EnvError(f"{self.name}.extras.reward_spec: expected a mapping")
+        self.truth = str(spec["ground_truth"])
 
-    def _step(self, action: str, turn: int) -> StepOutput:
-        return StepOutput([], float(action.strip() == self.truth), True)
+    def step(self, action: str) -> BaseTextEnvStepOutput:
+        reward = float(action.strip() == self.truth)
+        return {"observations": [], "reward": reward, "done": True, "metadata": {}}
 
 
 @pytest.fixture(autouse=True)
 def exact_answer_env() -> Iterator[None]:
     skyrl_gym.register(ExactAnswerEnv.name, ExactAnswerEnv)
     yield
-    skyrl_gym.unregister(ExactAnswerEnv.name)
+    skyrl_gym.deregister(ExactAnswerEnv.name)
 
 
 def _row(i: int, **changes: Any) -> dict[str, Any]:
@@ -62,7 +66,7 @@ def _load(paths: list[Path], **kwargs: Any) -> list[skyrl_gym.Task]:
         [str(p) for p in paths],
         key="data.train_data",
         default_env_class=kwargs.pop("default_env_class", ExactAnswerEnv.name),
-        env_kwargs=kwargs.pop("env_kwargs", {}),
+        env_configs=kwargs.pop("env_configs", {}),
     )
 
 
@@ -72,14 +76,16 @@ def test_parquet_and_jsonl_rows_become_tasks(tmp_path: Path) -> None:
     _jsonl(tmp_path / "b.jsonl", rows[3:])
     tasks = _load([tmp_path / "a.parquet", tmp_path / "b.jsonl"])
     assert [t.prompt[0]["content"] for t in tasks] == [f"What is {i} + 1?" for i in range(6)]
+    # SkyRL's extras: every field but prompt and env_class.
     assert tasks[4].env_extras == {
         "reward_spec": {"method": "rule", "ground_truth": "5"},
+        "data_source": "toy/even",
         "extra_info": {"index": 4},
     }
     assert [t.data_source for t in tasks[:2]] == ["toy/even", "toy/odd"]
-    env = skyrl_gym.make(tasks[4].env_name, **tasks[4].env_extras)
+    env = skyrl_gym.make(tasks[4].env_name, extras=tasks[4].env_extras)
     env.init(tasks[4].prompt)
-    assert env.step("5").reward == 1.0
+    assert env.step("5")["reward"] == 1.0
 
 
 def test_rows_without_env_class_or_source_take_the_defaults(tmp_path: Path) -> None:
@@ -89,13 +95,13 @@ def test_rows_without_env_class_or_source_take_the_defaults(tmp_path: Path) -> N
     tasks = _load([_jsonl(tmp_path / "d.jsonl", rows)])
     assert tasks[0].env_name == ExactAnswerEnv.name
     assert tasks[0].data_source == ExactAnswerEnv.name  # no source: the environment's name
-    assert tasks[0].env_extras["extra_info"] == {}
+    assert "extra_info" not in tasks[0].env_extras
 
 
 @pytest.mark.parametrize(
     ("change", "field"),
     [
-        ({"reward_spec": None}, "reward_spec"),
+        ({"reward_spec": None}, "env_class"),  # optional in a row: its environment refuses
         ({"prompt": "What is 1 + 1?"}, "prompt"),
         ({"prompt": []}, "prompt"),
         ({"prompt": [{"role": "user", "content": 7}]}, "prompt[0].content"),
@@ -187,7 +193,7 @@ def test_validation_files_drive_evaluation(tmp_path: Path) -> None:
 def test_a_bad_row_stops_the_launch_before_ray(tmp_path: Path) -> None:
     from skyrl_train.entrypoints.main_base import launch
 
-    train = _jsonl(tmp_path / "train.jsonl", [_row(0), _row(1, reward_spec=None)])
+    train = _jsonl(tmp_path / "train.jsonl", [_row(0), _row(1, prompt=[])])
     run_dir = tmp_path / "run"
     cfg = load_config(
         [
@@ -198,7 +204,7 @@ def test_a_bad_row_stops_the_launch_before_ray(tmp_path: Path) -> None:
     with pytest.raises(DatasetError) as info:
         with launch(cfg):
             pass
-    assert (info.value.row, info.value.field) == (1, "reward_spec")
+    assert (info.value.row, info.value.field) == (1, "prompt")
     assert not ray.is_initialized()
 
 

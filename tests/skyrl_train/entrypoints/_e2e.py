@@ -27,7 +27,7 @@ SMALL = [
     # A random model earns this format credit ~10% of turns (the right letter: 0.4%),
     # so groups hold different rewards and every step really moves the weights.
     "environment.env_class=repeat_letter",
-    "+environment.kwargs.format_credit=0.5",
+    "+environment.skyrl_gym.repeat_letter.format_credit=0.5",
     "generator.max_turns=2",
     "generator.max_tokens_per_turn=4",
     # fp32 rollouts make the resumed step reproducible bit for bit; bf16 is the

@@ -22,6 +22,7 @@ import pytest
 
 import skyrl_gym
 from inference.models.tokenizer import build_byte_tokenizer
+from skyrl_gym.envs.base_text_env import BaseTextEnv, BaseTextEnvStepOutput
 from skyrl_train.config.compose import load_config
 from skyrl_train.config.schema import PPOConfig
 from skyrl_train.config.validate import validate_cfg
@@ -60,16 +61,15 @@ EXPECTED = {
 }
 
 
-class QuizEnv(skyrl_gym.Env):
+class QuizEnv(BaseTextEnv):
     """One turn: the reply must be the row's ground truth. ``extra_info.fail`` makes
     the environment raise while built, in init or in step."""
 
-    name = QUIZ
-
-    def __init__(self, *, reward_spec: dict[str, Any], extra_info: dict[str, Any]) -> None:
+    def __init__(self, env_config: Any = None, extras: dict[str, Any] | None = None) -> None:
         super().__init__()
-        self.answer = str(reward_spec["ground_truth"])
-        self.fail = extra_info.get("fail")
+        extras = extras or {}
+        self.answer = str(extras["reward_spec"]["ground_truth"])
+        self.fail = (extras.get("extra_info") or {}).get("fail")
         if self.fail == "make":
             raise skyrl_gym.EnvError(f"{QUIZ}.extra_info: expected no fail, got {self.fail!r}")
 
@@ -78,18 +78,19 @@ class QuizEnv(skyrl_gym.Env):
             raise RuntimeError("the quiz lost its question")
         return super().init(prompt)
 
-    def _step(self, action: str, turn: int) -> skyrl_gym.StepOutput:
+    def step(self, action: str) -> BaseTextEnvStepOutput:
         if self.fail == "step":
             raise KeyError("no answer key")
         solved = action.strip() == self.answer
-        return skyrl_gym.StepOutput([], 1.0 if solved else 0.25, True, {"solved": solved})
+        reward = 1.0 if solved else 0.25
+        return {"observations": [], "reward": reward, "done": True, "metadata": {"solved": solved}}
 
 
 @pytest.fixture(autouse=True)
 def _quiz_env() -> Iterator[None]:
     skyrl_gym.register(QUIZ, QuizEnv)
     yield
-    skyrl_gym.unregister(QUIZ)
+    skyrl_gym.deregister(QUIZ)
 
 
 class QuizEngine:

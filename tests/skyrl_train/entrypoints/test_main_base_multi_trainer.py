@@ -53,7 +53,7 @@ TWO_RANKS = with_overrides(
     # A random model earns this format credit ~10% of turns (the right letter: 0.4%),
     # so the step's groups hold different rewards and the update moves the weights.
     "environment.env_class=repeat_letter",
-    "+environment.kwargs.format_credit=0.5",
+    "+environment.skyrl_gym.repeat_letter.format_credit=0.5",
     "logging.plot=false",
 )
 ROWS = 8

@@ -12,23 +12,27 @@ import pytest
 
 import skyrl_gym
 from inference.client import GenerateResult, VersionSpan
+from skyrl_gym.envs.base_text_env import BaseTextEnv, BaseTextEnvStepOutput
 from skyrl_train.config.schema import GeneratorConfig, InferenceEngineConfig
 from skyrl_train.generators import GeneratorInput, GymGenerator
 
 
-class TwoTurnEnv(skyrl_gym.Env):
-    name = "gen_test_versions"
-    max_turns = 2
+class TwoTurnEnv(BaseTextEnv):
+    def __init__(self, env_config: Any = None, extras: Any = None) -> None:
+        super().__init__()
 
-    def _step(self, action: str, turn: int) -> skyrl_gym.StepOutput:
-        return skyrl_gym.StepOutput([{"role": "user", "content": "again"}], 0.0, False)
+    def step(self, action: str) -> BaseTextEnvStepOutput:
+        self.turns += 1
+        done = self.turns >= 2
+        observations = [] if done else [{"role": "user", "content": "again"}]
+        return {"observations": observations, "reward": 0.0, "done": done, "metadata": {}}
 
 
 @pytest.fixture(autouse=True, scope="module")
 def _env() -> Any:
     skyrl_gym.register("gen_test_versions", TwoTurnEnv)
     yield
-    skyrl_gym.unregister("gen_test_versions")
+    skyrl_gym.deregister("gen_test_versions")
 
 
 class VersionedClient:

@@ -10,6 +10,7 @@ import pytest
 
 import skyrl_gym
 from inference.errors import GenerateProtocolError
+from skyrl_gym.envs.base_text_env import BaseTextEnv, BaseTextEnvStepOutput
 from skyrl_train.config.schema import GeneratorConfig, InferenceEngineConfig, SamplingParamsConfig
 from skyrl_train.errors import ConfigValidationError, RouteTraceError
 from skyrl_train.generators import (
@@ -23,24 +24,28 @@ from tests.skyrl_train.generators.conftest import IgnoringPromptStartEngine, ser
 L, K = 4, 2  # TinyMoEConfig defaults
 
 
-class EchoEnv(skyrl_gym.Env):
+class EchoEnv(BaseTextEnv):
     """Never finishes by itself; answers every turn with the same short observation."""
 
-    name = "gen_test_echo"
-
-    def __init__(self, *, turns: int = 64) -> None:
+    def __init__(self, env_config: Any = None, extras: dict[str, Any] | None = None) -> None:
         super().__init__()
-        self.max_turns = turns
+        self.max_turns = (extras or {}).get("turns", 64)
 
-    def _step(self, action: str, turn: int) -> skyrl_gym.StepOutput:
-        return skyrl_gym.StepOutput([{"role": "user", "content": "ok"}], 0.25, False)
+    def step(self, action: str) -> BaseTextEnvStepOutput:
+        self.turns += 1
+        return {
+            "observations": [{"role": "user", "content": "ok"}],
+            "reward": 0.25,
+            "done": self.turns >= self.max_turns,
+            "metadata": {},
+        }
 
 
 @pytest.fixture(autouse=True, scope="module")
 def _echo_env() -> Any:
     skyrl_gym.register("gen_test_echo", EchoEnv)
     yield
-    skyrl_gym.unregister("gen_test_echo")
+    skyrl_gym.deregister("gen_test_echo")
 
 
 def batch(env_name: str, n: int, *, seed: int = 0, **extras: Any) -> GeneratorInput:
@@ -360,14 +365,21 @@ def test_token_budget_truncates_ids_masks_logprobs_and_routes_together(tokenizer
     run(main())
 
 
-class TurnPaysEnv(skyrl_gym.Env):
+class TurnPaysEnv(BaseTextEnv):
     """Turn t pays 10**t, so each turn's reward is told apart in the output."""
 
-    name = "gen_test_turn_pays"
-    max_turns = 3
+    def __init__(self, env_config: Any = None, extras: dict[str, Any] | None = None) -> None:
+        super().__init__()
+        self.max_turns = 3
 
-    def _step(self, action: str, turn: int) -> skyrl_gym.StepOutput:
-        return skyrl_gym.StepOutput([{"role": "user", "content": "ok"}], 10.0**turn, False)
+    def step(self, action: str) -> BaseTextEnvStepOutput:
+        self.turns += 1
+        return {
+            "observations": [{"role": "user", "content": "ok"}],
+            "reward": 10.0 ** (self.turns - 1),
+            "done": self.turns >= self.max_turns,
+            "metadata": {},
+        }
 
 
 def test_each_turns_reward_sits_on_that_turns_last_reply_token(tokenizer):
@@ -392,7 +404,7 @@ def test_each_turns_reward_sits_on_that_turns_last_reply_token(tokenizer):
     try:
         run(main())
     finally:
-        skyrl_gym.unregister("gen_test_turn_pays")
+        skyrl_gym.deregister("gen_test_turn_pays")
 
 
 def test_several_clients_round_robin_and_seeds_are_reproducible(tokenizer):
@@ -459,27 +471,33 @@ def test_bad_inputs_fail_before_any_request(tokenizer):
     with pytest.raises(ConfigValidationError, match=r"^generator.eval_sampling_params.temp"):
         generator(wrapper, tokenizer, bad_eval, evaluation=True)
     gen = generator(wrapper, tokenizer, config())
-    with pytest.raises(skyrl_gym.EnvError, match="make.name"):
+    with pytest.raises(skyrl_gym.EnvError, match="make.id"):
         run(gen.generate(GeneratorInput([[{"role": "user", "content": "x"}]], ["nope"])))
     with pytest.raises(ValueError, match="expected env_names and env_extras of length 2"):
         run(gen.generate(GeneratorInput([[], []], ["guess_number"])))
     assert wrapper.calls == []
 
 
-class SolveEnv(skyrl_gym.Env):
+class SolveEnv(BaseTextEnv):
     """Solved at turn ``solve_on`` (-1: never); ``report=False`` never says ``solved``."""
 
-    name = "gen_test_solve"
-    max_turns = 3
-
-    def __init__(self, *, solve_on: int = -1, report: bool = True) -> None:
+    def __init__(self, env_config: Any = None, extras: dict[str, Any] | None = None) -> None:
         super().__init__()
-        self.solve_on, self.report = solve_on, report
+        extras = extras or {}
+        self.max_turns = 3
+        self.solve_on, self.report = extras.get("solve_on", -1), extras.get("report", True)
 
-    def _step(self, action: str, turn: int) -> skyrl_gym.StepOutput:
-        solved = turn == self.solve_on
+    def step(self, action: str) -> BaseTextEnvStepOutput:
+        self.turns += 1
+        solved = self.turns - 1 == self.solve_on
         metadata = {"solved": solved} if self.report else {}
-        return skyrl_gym.StepOutput([{"role": "user", "content": "no"}], 0.0, solved, metadata)
+        done = solved or self.turns >= self.max_turns
+        return {
+            "observations": [] if done else [{"role": "user", "content": "no"}],
+            "reward": 0.0,
+            "done": done,
+            "metadata": metadata,
+        }
 
 
 class ScriptedClient:
@@ -557,7 +575,7 @@ def test_solved_comes_from_step_metadata(tokenizer):
         out = run(gen.generate(GeneratorInput([prompt] * 2, ["gen_test_solve"] * 2, silent)))
         assert out.solved is None
     finally:
-        skyrl_gym.unregister("gen_test_solve")
+        skyrl_gym.deregister("gen_test_solve")
 
 
 @pytest.mark.parametrize("clients", [[], ()])
