@@ -2,5 +2,7 @@
 ``ToolGroup``."""
 
 from skyrl_gym.tools.core import ToolGroup, tool
+from skyrl_gym.tools.python import PythonCodeExecutorToolGroup
+from skyrl_gym.tools.sql import SQLCodeExecutorToolGroup
 
-__all__ = ["ToolGroup", "tool"]
+__all__ = ["PythonCodeExecutorToolGroup", "SQLCodeExecutorToolGroup", "ToolGroup", "tool"]
