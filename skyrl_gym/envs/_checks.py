@@ -29,7 +29,8 @@ def check_settings(env_config: Any, env: str, known: tuple[str, ...]) -> None:
     if env_config is None:
         return
     keys = list(env_config.keys()) if hasattr(env_config, "keys") else []
-    unknown = sorted(str(k) for k in keys if k not in known)
+    # SkyRL's own tests pass {"env_class": id} as the config: a name, not a setting.
+    unknown = sorted(str(k) for k in keys if k not in known and k != "env_class")
     if unknown:
         raise EnvError(
             f"environment.skyrl_gym.{env}: expected settings among {sorted(known)}, got {unknown}"

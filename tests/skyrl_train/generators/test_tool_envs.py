@@ -232,3 +232,59 @@ def test_text2sql_with_a_real_server_stitches_routes_over_tool_turns(tokenizer, 
         np.testing.assert_array_equal(routes, refs[i][: routes.shape[0]])
         active = [len(out.prompt_token_ids[i]) + j for j, m in enumerate(out.loss_masks[i]) if m]
         assert max(active) - 1 < routes.shape[0]
+
+
+HOSTILE = [
+    "while True:\n    pass",
+    "import os\nwhile True:\n    os.fork()",
+    "x = bytearray(100 * 1024**3)",
+    "print(open(__import__('os').path.expanduser('~/.ssh/id_rsa')).read())",
+    "import socket\nsocket.create_connection(('127.0.0.1', 22))",
+]
+
+
+class CodeScript:
+    """No server: trajectory i replies with program i (one fenced block)."""
+
+    supported_logprobs_modes = ("raw_logprobs", "processed_logprobs")
+
+    def __init__(self, tokenizer: Any, programs: list[str]) -> None:
+        self.replies = {
+            tuple(tokenizer.encode(f"task {i}", add_special_tokens=False)): tokenizer.encode(
+                f"```python\n{program}\n```", add_special_tokens=False
+            )
+            for i, program in enumerate(programs)
+        }
+
+    async def generate(self, *, prompt_token_ids: Any, **kwargs: Any) -> Any:
+        from types import SimpleNamespace
+
+        ids = next(v for k, v in self.replies.items() if _contains(prompt_token_ids, k))
+        return SimpleNamespace(
+            response_ids=ids, logprobs=[-0.1] * len(ids), finish_reason="stop", routed_experts=None
+        )
+
+
+def _contains(seq: list[int], part: tuple[int, ...]) -> bool:
+    return any(tuple(seq[i : i + len(part)]) == part for i in range(len(seq) - len(part) + 1))
+
+
+def test_hostile_programs_score_zero_and_the_rollout_goes_on(tokenizer) -> None:
+    import json
+
+    programs = [*HOSTILE, "print(int(input()) * 2)"]
+    tests = json.dumps([{"input": "21\n", "output": "42\n", "testtype": "stdin"}])
+    extras = {"reward_spec": {"method": "rule", "ground_truth": tests}}
+    cfg = config(return_routed_experts=False, max_turns=1, max_tokens_per_turn=200)
+    gen = generator(
+        CodeScript(tokenizer, programs),
+        tokenizer,
+        cfg,
+        env_configs={"lcb": {"timeout_s": 1.0, "memory_mb": 256}},
+    )
+    prompts = [[{"role": "user", "content": f"task {i}"}] for i in range(len(programs))]
+    out = run(
+        gen.generate(GeneratorInput(prompts, ["lcb"] * len(programs), [extras] * len(programs)))
+    )
+    assert out.rewards == [0.0] * len(HOSTILE) + [1.0]
+    assert out.stop_reasons == ["done"] * len(programs)
