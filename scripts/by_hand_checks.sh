@@ -5,7 +5,8 @@
 # bug caught by the served-weights check, Ctrl-C of a vLLM launch, FSDP launches of two
 # more families, the real replay-off export, the launches at 4 and 8 trainer ranks
 # (test_main_base_many_ranks.py, 3 min 58 s on the quiet machine), the whole 8-rank layout grid
-# in every family (test_megatron_layout_grid.py, about 4). About 13 minutes on 2 cores.
+# in every family (test_megatron_layout_grid.py, about 4), 1,000 sandboxed programs in a
+# row leaving nothing behind (test_sandbox.py, about 20 s). About 13 minutes on 2 cores.
 # Extra arguments go to pytest (-k NAME runs one).
 set -euo pipefail
 cd "$(dirname "$0")/.."

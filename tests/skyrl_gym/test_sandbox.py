@@ -125,8 +125,11 @@ def test_refusal_cannot_be_caught(tmp_path, leaves_nothing):
     assert not target.exists()
 
 
-def test_benign_runs_leave_nothing(leaves_nothing):
-    for i in range(100):
+@pytest.mark.parametrize(
+    "runs", [100, pytest.param(1000, marks=pytest.mark.by_hand, id="1000-by-hand")]
+)
+def test_benign_runs_leave_nothing(leaves_nothing, runs):
+    for i in range(runs):
         result = run_python(f"print({i} * 2)")
         assert (result.status, result.stdout) == ("ok", f"{2 * i}\n")
 
