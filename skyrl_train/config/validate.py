@@ -180,6 +180,17 @@ def _check_environment(cfg: PPOConfig) -> None:
     # Build one environment the way the generator will, so a kwarg the environment does
     # not take fails here, before Ray and the model start, not at the first rollout.
     try:
+        factory = skyrl_gym.envs.registration.creator(env.env_class)
+    except skyrl_gym.EnvError as exc:  # an entry point that does not import
+        raise ConfigValidationError("environment.env_class", str(exc)) from exc
+    if getattr(factory, "sample_task", None) is None:
+        raise ConfigValidationError(
+            "data.train_data",
+            expected=f"dataset files: environment {env.env_class!r} generates no prompts "
+            "(it has no sample_task)",
+            got="[]",
+        )
+    try:
         (task,) = skyrl_gym.make_dataset(env.env_class, num_prompts=1, seed=0)
         built = skyrl_gym.make_task_env(
             env.env_class,

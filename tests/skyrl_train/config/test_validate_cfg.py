@@ -682,3 +682,9 @@ def test_ranks_strictly_spread_need_a_cluster() -> None:
 def test_the_readme_slime_shape_on_this_machine_validates_as_written() -> None:
     # README "Larger layouts": the default recipe at slime's layout on 8 CPU ranks.
     validate_cfg(load_config([*SLIME, "trainer.placement.cpus_per_trainer=0.125"]))
+
+
+def test_an_environment_that_generates_no_prompts_needs_dataset_files() -> None:
+    err = _refusal(["environment.env_class=text2sql"])
+    assert err.path == "data.train_data"
+    assert "'text2sql' generates no prompts" in err.reason
