@@ -46,6 +46,8 @@ def read_step_output(out: Any, *, env: str, turn: int) -> StepResult:
     ):
         raise EnvError(f"{where}.reward: expected a finite number, got {reward!r:.80}")
     done = out["done"]
+    if _is_numpy_bool(done):  # an environment that compares numpy values gets one
+        done = bool(done)
     if not isinstance(done, (bool, int)) or (isinstance(done, int) and done not in (0, 1)):
         raise EnvError(f"{where}.done: expected a bool, got {done!r:.80}")
     observations = out["observations"] or []
@@ -76,3 +78,8 @@ def read_step_output(out: Any, *, env: str, turn: int) -> StepResult:
         metadata=dict(metadata),
         postprocessed_action=action,
     )
+
+
+def _is_numpy_bool(value: Any) -> bool:
+    dtype = getattr(value, "dtype", None)
+    return getattr(dtype, "kind", None) == "b" and getattr(value, "shape", None) == ()

@@ -134,33 +134,33 @@ def spec(env_id: str) -> EnvSpec:
 
 
 def load_env_creator(name: str) -> EnvCreator:
-    """The attribute ``"module:attribute"`` names, imported."""
+    """The attribute ``"module:attribute"`` names, imported; the attribute may be dotted
+    (``"pkg.mod:Outer.create"``), as in an entry point."""
     module_name, _, attribute = name.partition(":")
     try:
-        return getattr(importlib.import_module(module_name), attribute)  # type: ignore[no-any-return]
+        found: Any = importlib.import_module(module_name)
+        for part in attribute.split("."):
+            found = getattr(found, part)
     except (ImportError, AttributeError) as exc:
         raise EnvError(f"entry point {name!r}: cannot import it ({exc})") from exc
+    if not callable(found):
+        raise EnvError(
+            f"entry point {name!r}: expected a callable returning a skyrl_gym.Env, "
+            f"got {type(found).__name__}"
+        )
+    return found  # type: ignore[no-any-return]
 
 
 def creator(env_id: str) -> EnvCreator:
     """The factory registered as ``env_id``, imported if it was a string."""
-    found = spec(env_id)
-    entry = found.entry_point
-    if entry is None:
-        raise EnvError(f"{env_id}.entry_point: expected a factory, got None")
-    if isinstance(entry, str):
-        try:
-            return load_env_creator(entry)
-        except EnvError as exc:
-            raise EnvError(f"make({env_id!r}): {exc}") from exc
-    return entry
+    return _spec_factory(spec(env_id))
 
 
 def make(id: str | EnvSpec, **kwargs: Any) -> Env:  # noqa: A002 - SkyRL's name
     """A fresh environment: the factory called with the spec's ``kwargs`` updated by
     ``kwargs`` (``env_config=..., extras=...`` for a ``BaseTextEnv``)."""
     env_spec = id if isinstance(id, EnvSpec) else spec(id)
-    factory = creator(env_spec.id) if not isinstance(id, EnvSpec) else _spec_factory(env_spec)
+    factory = _spec_factory(env_spec)
     merged = copy.deepcopy(env_spec.kwargs)
     merged.update(kwargs)
     try:
@@ -186,7 +186,12 @@ def _spec_factory(env_spec: EnvSpec) -> EnvCreator:
     entry = env_spec.entry_point
     if entry is None:
         raise EnvError(f"{env_spec.id}.entry_point: expected a factory, got None")
-    return load_env_creator(entry) if isinstance(entry, str) else entry
+    if isinstance(entry, str):
+        try:
+            return load_env_creator(entry)
+        except EnvError as exc:
+            raise EnvError(f"make({env_spec.id!r}): {exc}") from exc
+    return entry
 
 
 def _parameters(factory: EnvCreator) -> list[str]:
