@@ -1,5 +1,6 @@
 """The environments this package registers: SkyRL's that need nothing from outside
-(``gsm8k``, ``gsm8k_multi_turn``, ``aime``, ``text2sql``, ``lcb``) and this project's
+(``gsm8k``, ``gsm8k_multi_turn``, ``aime``, ``text2sql``, ``lcb``, and ``search`` with a
+local retriever) and this project's
 small ones a random byte-level model can score on (``docs/environments.md``)."""
 
 from skyrl_gym.envs.registration import deregister, register, registry
@@ -12,6 +13,7 @@ _BUILT_IN = {
     "guess_number": "skyrl_gym.envs.guess_number:GuessNumberEnv",
     "lcb": "skyrl_gym.envs.lcb.env:LCBEnv",
     "repeat_letter": "skyrl_gym.envs.repeat_letter:RepeatLetterEnv",
+    "search": "skyrl_gym.envs.search.env:SearchEnv",
     "single_digit_sum": "skyrl_gym.envs.digit_sum:SingleDigitSumEnv",
     "text2sql": "skyrl_gym.envs.sql.env:SQLEnv",
 }
