@@ -50,13 +50,33 @@ def setting_path(env: str, key: str) -> str:
     return f"environment.skyrl_gym.{env}.{key}"
 
 
+def int_setting(env_config: Any, env: str, key: str, default: int, *, low: int, high: int) -> int:
+    """Setting ``key`` (``default`` when unset), an int in ``[low, high]``."""
+    return check_int(
+        setting_path(env, key), config_value(env_config, env, key, default), low=low, high=high
+    )
+
+
+def number_setting(
+    env_config: Any, env: str, key: str, default: float, *, low: float, high: float
+) -> float:
+    """Setting ``key`` (``default`` when unset), a number in ``[low, high]``."""
+    value = config_value(env_config, env, key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
+        raise EnvError(
+            f"{setting_path(env, key)}: expected a number in [{low}, {high}], got {value!r}"
+        )
+    return float(value)
+
+
+def bool_setting(env_config: Any, env: str, key: str, default: bool) -> bool:
+    value = config_value(env_config, env, key, default)
+    if not isinstance(value, bool):
+        raise EnvError(f"{setting_path(env, key)}: expected a bool, got {value!r}")
+    return value
+
+
 def check_int(field: str, value: Any, *, low: int, high: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
         raise EnvError(f"{field}: expected an int in [{low}, {high}], got {value!r}")
     return value
-
-
-def check_fraction(field: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
-        raise EnvError(f"{field}: expected a number in [0, 1], got {value!r}")
-    return float(value)

@@ -28,7 +28,10 @@ from fractions import Fraction
 from typing import Any
 
 from skyrl_gym.core import Message, action_text
-from skyrl_gym.envs._checks import check_int, check_settings, config_value, setting_path
+from skyrl_gym.envs._checks import (
+    check_settings,
+    int_setting,
+)
 from skyrl_gym.envs._turns import begin_turn, end_turn
 from skyrl_gym.envs.answers import (
     answers_match,
@@ -248,12 +251,7 @@ class CalculatorEnv(BaseTextEnv):
         extras = extras if extras is not None else {}
         self.ground_truth = check_reward_spec(NAME, extras.get("reward_spec"))
         self.extra_info = check_extra_info(NAME, extras.get("extra_info"))
-        self.max_turns = check_int(
-            setting_path(NAME, "max_turns"),
-            config_value(env_config, NAME, "max_turns", 4),
-            low=1,
-            high=64,
-        )
+        self.max_turns = int_setting(env_config, NAME, "max_turns", 4, low=1, high=64)
         self.tools = CalculatorToolGroup()
         self.init_tool_groups([self.tools])
         self.tool_calls = 0

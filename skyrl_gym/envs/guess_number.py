@@ -22,7 +22,12 @@ from collections.abc import Mapping
 from typing import Any
 
 from skyrl_gym.core import Message, action_text, first_char
-from skyrl_gym.envs._checks import check_int, check_settings, config_value, extra, setting_path
+from skyrl_gym.envs._checks import (
+    check_int,
+    check_settings,
+    extra,
+    int_setting,
+)
 from skyrl_gym.envs._turns import begin_turn, end_turn
 from skyrl_gym.envs.base_text_env import BaseTextEnv, BaseTextEnvStepOutput
 
@@ -38,12 +43,7 @@ class GuessNumberEnv(BaseTextEnv):
         self.target = check_int(
             f"{NAME}.extras.target", extra(extras, NAME, "target"), low=0, high=9
         )
-        self.max_turns = check_int(
-            setting_path(NAME, "max_turns"),
-            config_value(env_config, NAME, "max_turns", 3),
-            low=1,
-            high=64,
-        )
+        self.max_turns = int_setting(env_config, NAME, "max_turns", 3, low=1, high=64)
 
     def step(self, action: str) -> BaseTextEnvStepOutput:
         turn = begin_turn(self, NAME)

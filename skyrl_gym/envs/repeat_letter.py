@@ -23,7 +23,11 @@ from collections.abc import Mapping
 from typing import Any
 
 from skyrl_gym.core import Message, action_text, first_char
-from skyrl_gym.envs._checks import check_fraction, check_settings, config_value, extra, setting_path
+from skyrl_gym.envs._checks import (
+    check_settings,
+    extra,
+    number_setting,
+)
 from skyrl_gym.envs._turns import begin_turn, end_turn
 from skyrl_gym.envs.base_text_env import BaseTextEnv, BaseTextEnvStepOutput
 from skyrl_gym.error import EnvError
@@ -47,10 +51,7 @@ class RepeatLetterEnv(BaseTextEnv):
                 f"{NAME}.extras.letters: expected 1-64 lowercase ASCII letters, got {letters!r}"
             )
         self.letters = letters
-        self.format_credit = check_fraction(
-            setting_path(NAME, "format_credit"),
-            config_value(env_config, NAME, "format_credit", 0.0),
-        )
+        self.format_credit = number_setting(env_config, NAME, "format_credit", 0.0, low=0, high=1)
         self.max_turns = len(letters)
         self.all_correct = True
 

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from skyrl_gym.core import action_text
-from skyrl_gym.envs._checks import config_value, setting_path
+from skyrl_gym.envs._checks import bool_setting, check_settings
 from skyrl_gym.envs._turns import begin_turn, end_turn
 from skyrl_gym.envs.aime.utils import compute_score, normalize_final_answer
 from skyrl_gym.envs.base_text_env import BaseTextEnv, BaseTextEnvStepOutput
@@ -54,12 +54,8 @@ class AIMEEnv(BaseTextEnv):
     def __init__(self, env_config: Any = None, extras: Mapping[str, Any] | None = None) -> None:
         super().__init__()
         self.ground_truth = read_ground_truth(extras if extras is not None else {})
-        strict = config_value(env_config, NAME, "strict_box_verify", False)
-        if not isinstance(strict, bool):
-            raise EnvError(
-                f"{setting_path(NAME, 'strict_box_verify')}: expected a bool, got {strict!r}"
-            )
-        self.strict_box_verify = strict
+        check_settings(env_config, NAME, ("strict_box_verify",))
+        self.strict_box_verify = bool_setting(env_config, NAME, "strict_box_verify", False)
 
     def step(self, action: str) -> BaseTextEnvStepOutput:
         begin_turn(self, NAME)

@@ -17,7 +17,11 @@ from collections.abc import Mapping
 from typing import Any
 
 from skyrl_gym.core import Message, action_text
-from skyrl_gym.envs._checks import check_fraction, check_settings, config_value, setting_path
+from skyrl_gym.envs._checks import (
+    bool_setting,
+    check_settings,
+    number_setting,
+)
 from skyrl_gym.envs._turns import begin_turn, end_turn
 from skyrl_gym.envs.answers import (
     answers_match,
@@ -27,7 +31,6 @@ from skyrl_gym.envs.answers import (
 )
 from skyrl_gym.envs.arith_problems import sample_graded
 from skyrl_gym.envs.base_text_env import BaseTextEnv, BaseTextEnvStepOutput
-from skyrl_gym.error import EnvError
 
 INSTRUCTION = (
     "Solve the problem step by step, then write the final answer as a number on the "
@@ -49,14 +52,8 @@ class GSM8kEnv(BaseTextEnv):
         extras = extras if extras is not None else {}
         self.ground_truth = check_reward_spec(NAME, extras.get("reward_spec"))
         self.extra_info = check_extra_info(NAME, extras.get("extra_info"))
-        strict = config_value(env_config, NAME, "strict", True)
-        if not isinstance(strict, bool):
-            raise EnvError(f"{setting_path(NAME, 'strict')}: expected a bool, got {strict!r}")
-        self.strict = strict
-        self.format_reward = check_fraction(
-            setting_path(NAME, "format_reward"),
-            config_value(env_config, NAME, "format_reward", 0.0),
-        )
+        self.strict = bool_setting(env_config, NAME, "strict", True)
+        self.format_reward = number_setting(env_config, NAME, "format_reward", 0.0, low=0, high=1)
 
     def step(self, action: str) -> BaseTextEnvStepOutput:
         begin_turn(self, NAME)

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from skyrl_gym.core import action_text
-from skyrl_gym.envs._checks import config_value, extra, setting_path
+from skyrl_gym.envs._checks import check_settings, extra, number_setting
 from skyrl_gym.envs._turns import begin_turn, end_turn
 from skyrl_gym.envs.base_text_env import BaseTextEnv, BaseTextEnvStepOutput
 from skyrl_gym.envs.lcb.grading import FIELD, extract_code, parse_tests, run_tests
@@ -25,20 +25,12 @@ from skyrl_gym.sandbox import SandboxLimits
 NAME = "lcb"
 
 
-def _number(env_config: Any, key: str, default: float, *, low: float, high: float) -> float:
-    value = config_value(env_config, NAME, key, default)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
-        raise EnvError(
-            f"{setting_path(NAME, key)}: expected a number in [{low}, {high}], got {value!r}"
-        )
-    return float(value)
-
-
 def lcb_limits(env_config: Any) -> SandboxLimits:
     """The sandbox limits for one test, from the env's settings."""
-    timeout = _number(env_config, "timeout_s", 6.0, low=0.1, high=600)
-    memory_mb = _number(env_config, "memory_mb", 1024, low=64, high=1 << 20)
-    output_kb = _number(env_config, "output_kb", 1024, low=1, high=1 << 20)
+    check_settings(env_config, NAME, ("timeout_s", "memory_mb", "output_kb"))
+    timeout = number_setting(env_config, NAME, "timeout_s", 6.0, low=0.1, high=600)
+    memory_mb = number_setting(env_config, NAME, "memory_mb", 1024, low=64, high=1 << 20)
+    output_kb = number_setting(env_config, NAME, "output_kb", 1024, low=1, high=1 << 20)
     return SandboxLimits(
         wall_s=timeout,
         cpu_s=max(1, math.ceil(timeout)),

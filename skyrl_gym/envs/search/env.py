@@ -33,7 +33,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from skyrl_gym.core import action_text
-from skyrl_gym.envs._checks import check_int, check_settings, config_value, setting_path
+from skyrl_gym.envs._checks import (
+    bool_setting,
+    check_int,
+    check_settings,
+    config_value,
+    int_setting,
+    setting_path,
+)
 from skyrl_gym.envs._turns import begin_turn, end_turn
 from skyrl_gym.envs.base_text_env import BaseTextEnv, BaseTextEnvStepOutput, ConversationType
 from skyrl_gym.envs.search.local_retriever import index_for
@@ -109,11 +116,7 @@ def _tool_group(env_config: Any) -> SearchToolGroup:
             f"{setting_path(NAME, 'corpus_path')}: expected a JSONL path with search_url "
             f"{search_tool.LOCAL!r}, got {corpus_path!r} with search_url {url!r}"
         )
-    log_requests = setting("log_requests", False)
-    if not isinstance(log_requests, bool):
-        raise EnvError(
-            f"{setting_path(NAME, 'log_requests')}: expected a bool, got {log_requests!r}"
-        )
+    log_requests = bool_setting(env_config, NAME, "log_requests", False)
     retriever = None
     if url == search_tool.LOCAL:
         try:
@@ -122,15 +125,12 @@ def _tool_group(env_config: Any) -> SearchToolGroup:
             raise EnvError(f"{setting_path(NAME, 'corpus_path')}: {exc}") from exc
     return SearchToolGroup(
         url,
-        topk=check_int(setting_path(NAME, "topk"), setting("topk", 3), low=1, high=100),
+        topk=int_setting(env_config, NAME, "topk", 3, low=1, high=100),
         timeout=search_tool.check_seconds(
             setting_path(NAME, "timeout"), setting("timeout", search_tool.DEFAULT_TIMEOUT)
         ),
-        retries=check_int(
-            setting_path(NAME, "retries"),
-            setting("retries", search_tool.DEFAULT_RETRIES),
-            low=0,
-            high=20,
+        retries=int_setting(
+            env_config, NAME, "retries", search_tool.DEFAULT_RETRIES, low=0, high=20
         ),
         log_requests=log_requests,
         retriever=retriever,

@@ -31,7 +31,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from skyrl_gym.core import action_text
-from skyrl_gym.envs._checks import check_int, config_value, extra, setting_path
+from skyrl_gym.envs._checks import (
+    check_int,
+    check_settings,
+    config_value,
+    extra,
+    int_setting,
+    number_setting,
+    setting_path,
+)
 from skyrl_gym.envs._turns import begin_turn, end_turn
 from skyrl_gym.envs.base_text_env import BaseTextEnv, BaseTextEnvStepOutput, ConversationType
 from skyrl_gym.envs.sql.utils import (
@@ -70,18 +78,6 @@ class Text2SQLEnvConfig:
     max_chars: int = 2000
 
 
-def _seconds(env_config: Any, key: str, default: float) -> float:
-    value = config_value(env_config, NAME, key, default)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 600:
-        raise EnvError(f"{setting_path(NAME, key)}: expected seconds in (0, 600], got {value!r}")
-    return float(value)
-
-
-def _count(env_config: Any, key: str, default: int) -> int:
-    value = config_value(env_config, NAME, key, default)
-    return check_int(setting_path(NAME, key), value, low=1, high=1_000_000)
-
-
 def find_sql(text: str) -> str | None:
     """The text inside the first complete ``<sql>...</sql>``, unstripped, or None.
 
@@ -111,18 +107,25 @@ class SQLEnv(BaseTextEnv):
                 f"{NAME}.extras.data: expected one of {sorted(COLLECTIONS)}, got {self.task!r}"
             )
         self.max_turns = check_int(
-            f"{NAME}.extras.max_turns", (extras or {}).get("max_turns", 5), low=1, high=64
+            f"{NAME}.extras.max_turns", (extras or {}).get("max_turns", 5), low=1, high=10_000
+        )
+        check_settings(
+            env_config, NAME, ("db_path", "timeout", "score_timeout", "max_rows", "max_chars")
         )
         root = config_value(env_config, NAME, "db_path", DEFAULT_DB_PATH)
         if not isinstance(root, (str, os.PathLike)) or not str(root):
             raise EnvError(f"{setting_path(NAME, 'db_path')}: expected a folder, got {root!r}")
         self.db_path = os.path.join(os.path.expanduser(str(root)), COLLECTIONS[self.task])
-        self.score_timeout = _seconds(env_config, "score_timeout", SCORE_TIMEOUT)
+        self.score_timeout = number_setting(
+            env_config, NAME, "score_timeout", SCORE_TIMEOUT, low=0.01, high=600
+        )
         self.tool_group = SQLCodeExecutorToolGroup(
             self.db_path,
-            max_rows=_count(env_config, "max_rows", 50),
-            max_chars=_count(env_config, "max_chars", 2000),
-            timeout=_seconds(env_config, "timeout", DEFAULT_TIMEOUT),
+            max_rows=int_setting(env_config, NAME, "max_rows", 50, low=1, high=1_000_000),
+            max_chars=int_setting(env_config, NAME, "max_chars", 2000, low=1, high=1_000_000),
+            timeout=number_setting(
+                env_config, NAME, "timeout", DEFAULT_TIMEOUT, low=0.01, high=600
+            ),
         )
         self.db_file = self.tool_group.db_file(self.db_id)
         if not os.path.exists(self.db_file):
