@@ -110,6 +110,14 @@ class RouterAgreement:
 
 
 @torch.no_grad()
+def routes_differ(trainer_routes: torch.Tensor, rollout_routes: torch.Tensor) -> torch.Tensor:
+    """``[..., L]`` bool: True where two ``[..., L, K]`` expert selections differ as sets
+    (the order within K is the router's, not a choice)."""
+    trainer = torch.sort(trainer_routes.long(), dim=-1).values
+    return (trainer != torch.sort(rollout_routes.long(), dim=-1).values).any(dim=-1)
+
+
+@torch.no_grad()
 def router_agreement(
     trainer_routes: torch.Tensor,
     rollout_routes: torch.Tensor,
@@ -136,9 +144,7 @@ def router_agreement(
             shape=trainer.shape[:2],
             ref_name="routes[:, :, 0, 0]",
         ).bool()
-    same = (
-        torch.sort(trainer.long(), dim=-1).values == torch.sort(rollout.long(), dim=-1).values
-    ).all(dim=-1)  # [B, S, L]
+    same = ~routes_differ(trainer, rollout)  # [B, S, L]
     rows = int(keep.sum())
     if rows == 0:
         return RouterAgreement(agreement=1.0, per_layer=[1.0] * layers, num_token_layers=0)

@@ -622,6 +622,12 @@ class LoggingConfig:
     progress_bar: bool = True
     plot: bool = True
     """Save ``<run_dir>/metrics.png`` at the end of the run."""
+    dump_rollouts: int = setting(8, ge=0)
+    """Trajectories of each training step and each evaluation written to
+    ``<run_dir>/rollouts/`` (whole GRPO groups, the first ones), with their tokens,
+    rewards, advantages, both logprobs and where the routers disagreed; 0 writes none.
+    ``python -m skyrl_train.entrypoints.view RUN_DIR`` shows them
+    (``skyrl_train/runs/rollouts.py``)."""
 
 
 @dataclass

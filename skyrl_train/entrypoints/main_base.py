@@ -125,6 +125,7 @@ def _launch_held(cfg: PPOConfig, claim: RunDirClaim) -> Iterator[Job]:
                 datasets=datasets,
                 client_options=ClientOptions.for_run(cfg, info, api_key=server_key),
                 vocab_size=info.architecture.vocab_size,
+                num_experts=info.architecture.num_experts,
             )
             yield Job(cfg=cfg, server_urls=urls, policy=policy, loop=loop, api_key=server_key)
 

@@ -81,6 +81,10 @@ class GeneratorOutput:
     turns (fully async training). Each turn is one version: a server switches weights
     between batches, all at once. None when a server reported no version."""
 
+    turn_versions: list[list[list[int] | None]] | None = None
+    """Per trajectory, per turn, every policy version its reply's tokens came from
+    (None for a turn whose server reported none); None when not recorded."""
+
     def take(self, indices: Sequence[int]) -> GeneratorOutput:
         """The trajectories at ``indices`` in that order (repeats allowed), every
         per-trajectory field with them (routes, logprobs, solved); ``rollout_metrics``
@@ -106,6 +110,7 @@ class GeneratorOutput:
             rollout_sample_support=pick(self.rollout_sample_support),
             solved=reported_solved(pick(self.solved) or []),
             policy_versions=pick(self.policy_versions),
+            turn_versions=pick(self.turn_versions),
         )
 
 
@@ -150,6 +155,7 @@ def concat_outputs(parts: Sequence[GeneratorOutput]) -> GeneratorOutput:
         # logprobs have no such excuse: a mix there is a broken generator.
         solved=reported_solved([s for p in parts for s in (p.solved or [None] * len(p.rewards))]),
         policy_versions=join("policy_versions"),
+        turn_versions=join("turn_versions"),
     )
 
 

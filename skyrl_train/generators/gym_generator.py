@@ -344,6 +344,7 @@ class GymGenerator:
             rollout_sample_support=[t.support_rows() for t in trajs] if self.support_k else None,
             solved=reported_solved([t.solved for t in trajs]),
             policy_versions=None if None in spans else spans,  # type: ignore[arg-type]
+            turn_versions=[[None if v is None else list(v) for v in t.versions] for t in trajs],
         )
 
 

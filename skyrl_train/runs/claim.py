@@ -14,8 +14,8 @@ Everything else comes under the lock: the datasets, ``trainer.resume_from``'s ha
 (``latest`` resolved), then ``RunDirClaim.accept``, which writes ``run.json`` at the
 run's first launch and, for a launch resuming below later checkpoints (allowed only
 with ``trainer.overwrite_later_checkpoints``: a branch), deletes at once what the branch
-supersedes: those checkpoints, this run's exports of later steps and the later lines
-of ``metrics.jsonl``. From that moment ``latest`` can only name the branch point or the
+supersedes: those checkpoints, this run's exports of later steps, the later lines
+of ``metrics.jsonl`` and the later rollout dumps. From that moment ``latest`` can only name the branch point or the
 branch's own saves, so a branch preempted before its first save resumes where it
 branched, and the folder holds one history.
 
@@ -55,6 +55,7 @@ from skyrl_train.runs.folder import (
     check_run_dir_path,
 )
 from skyrl_train.utils.durable import fsync_dir, temp_sibling, write_file
+from skyrl_train.runs.rollouts import drop_dumps_after
 from skyrl_train.utils.tracking import drop_steps_after
 
 if TYPE_CHECKING:
@@ -187,6 +188,7 @@ def supersede_later(cfg: PPOConfig, checkpoint: Path) -> Superseded:
     for folder in sorted(later, reverse=True) + exports:
         _delete(folder)
     dropped = drop_steps_after(run_dir / METRICS_FILE, step)
+    drop_dumps_after(run_dir, step)
     logger.warning(
         "trainer.overwrite_later_checkpoints: resuming from step %d deleted the later "
         "history of %s: checkpoints %s, exports %s, %d metrics lines",

@@ -70,6 +70,7 @@ RUN_ARTEFACTS: tuple[tuple[str, str], ...] = (
     ("wandb", "the wandb tracker's files"),
     (f"{EXPORTS_DIR}/global_step_*", "a Hugging Face export or an unfinished one"),
     ("metrics.png", "the end-of-run plot"),
+    ("rollouts/*.json.gz", "a rollout dump (logging.dump_rollouts)"),
     ("main_base.log", "the job log"),
     ("engines/engine-*.log", "an inference engine's log"),
 )

@@ -49,6 +49,7 @@ from skyrl_train.algorithms.dynamic_sampling import (
     varying_groups,
 )
 from skyrl_train.config.schema import PPOConfig
+from skyrl_train.dataset.batch import select_rows
 from skyrl_train.dataset.preprocess import convert_to_training_batch
 from skyrl_train.dataset.prompts import PromptDatasets, load_datasets, sample_step
 from skyrl_train.generators.base import GeneratorInput, GeneratorOutput, concat_outputs
@@ -65,6 +66,7 @@ from skyrl_train.runs.export import export_due, export_name, export_root
 from skyrl_train.runs.folder import CHECKPOINTS_DIR
 from skyrl_train.trainer import served_weights
 from skyrl_train.trainer.engine_clients import ClientOptions, make_client
+from skyrl_train.trainer.rollout_dumps import RolloutDumper
 from skyrl_train.utils.durable import write_file
 from skyrl_train.utils.tracking import MetricsTracker, format_metrics_line
 
@@ -113,18 +115,23 @@ class GRPOLoop:
         datasets: PromptDatasets | None = None,
         client_options: ClientOptions | None = None,
         vocab_size: int | None = None,
+        num_experts: int | None = None,
     ) -> None:
         """``datasets``: prompts loaded (and checked) by the launch before Ray started;
         None loads them here (``load_datasets``). ``client_options``: how generation
         clients are made (``engine_clients.make_client``); None: the config's backend
         with ``api_key``, which a vLLM server needs more than (``ClientOptions.for_run``).
-        ``vocab_size``: the model's, the widest kept set top-p alone can have."""
+        ``vocab_size``: the model's, the widest kept set top-p alone can have.
+        ``num_experts``: the model's, the width of the rollout dumps' expert load."""
         self.cfg = cfg
         self.tokenizer = tokenizer
         self.server_urls = server_urls
         self.policy = policy
         self.pad_token_id = pad_token_id
         self.vocab_size = vocab_size
+        self.num_experts = num_experts
+        self._dumper: RolloutDumper | None = None
+        """Made per ``run``, which knows the step it starts after."""
         self.api_key = api_key
         self.client_options = client_options or ClientOptions(
             backend=cfg.generator.inference_engine.backend, api_key=api_key
@@ -147,6 +154,14 @@ class GRPOLoop:
         # Lines of steps after start_step (left by the run this one resumes) are dropped.
         tracker = MetricsTracker(
             self.run_dir, trackers=self.cfg.logging.trackers, start_step=start_step
+        )
+        self._dumper = RolloutDumper(
+            self.run_dir,
+            count=self.cfg.logging.dump_rollouts,
+            tokenizer=self.tokenizer,
+            group_size=self.cfg.generator.n_samples_per_prompt,
+            start_step=start_step,
+            num_experts=self.num_experts,
         )
         clients = [make_client(url, self.client_options) for url in self.server_urls]
         bar = tqdm(
@@ -183,7 +198,7 @@ class GRPOLoop:
                 if rollouts is not None:
                     metrics["timing/wait_rollout_s"] = waited
                 if t.eval_interval and (step % t.eval_interval == 0 or step == t.num_steps):
-                    metrics.update(await self.evaluate(clients))
+                    metrics.update(await self.evaluate(clients, step=step))
                 tracker.log(step, metrics)
                 history.append(metrics)
                 bar.update(1)
@@ -309,6 +324,9 @@ class GRPOLoop:
             skip_flat_steps=algo.skip_flat_steps,
         )
         collated = time.perf_counter()
+        if self._dumper is not None and self._dumper.enabled:
+            await self._dump_train(step, rollout, batch, advantages)
+        dumped = time.perf_counter()
         # Raises NonFiniteError on a NaN/inf loss, grad norm or weight: nothing is pushed.
         metrics = dict(await self.policy.train(batch, advantages, step=step))
         trained = time.perf_counter()
@@ -329,7 +347,8 @@ class GRPOLoop:
             {
                 "timing/generate_s": rollout.generate_s,
                 "timing/collate_s": collated - started,
-                "timing/train_s": trained - collated,
+                "timing/dump_s": dumped - collated,
+                "timing/train_s": trained - dumped,
                 "timing/sync_s": synced - trained,
             }
         )
@@ -409,10 +428,33 @@ class GRPOLoop:
         metrics["dynamic_sampling/varying_group_frac"] = sum(varying) / len(varying)
         return chosen
 
-    async def evaluate(self, clients: list[Any]) -> dict[str, float]:
+    async def _dump_train(
+        self, step: int, rollout: Rollout, batch: Any, advantages: torch.Tensor
+    ) -> None:
+        """The step's first ``logging.dump_rollouts`` trajectories, with the trainer's
+        view of them before the update (``rollout_dumps``)."""
+        assert self._dumper is not None
+        rows = self._dumper.rows(batch.batch_size)
+        inspect = getattr(self.policy, "inspect", None)  # a stand-in policy may lack it
+        inspection = None
+        if inspect is not None:
+            inspection = await inspect(select_rows(batch, torch.tensor(rows)))
+        n = self.cfg.generator.n_samples_per_prompt
+        own = rollout.trained_on is rollout.output  # else dynamic sampling mixed rounds
+        self._dumper.write_train(
+            step,
+            rollout.trained_on,
+            advantages=advantages,
+            inspection=inspection,
+            prompt_width=batch.sequences.shape[1] - batch.num_actions,
+            sources=_sources(rollout.tasks, n) if own else None,
+        )
+
+    async def evaluate(self, clients: list[Any], *, step: int | None = None) -> dict[str, float]:
         """``eval_n_samples_per_prompt`` rollouts (greedy by default) of every held-out
         prompt: the mean reward (and per data source) and, when the environments report
-        ``solved``, the success rate."""
+        ``solved``, the success rate. ``step``: the step it follows, for the rollout
+        dumps (None: not dumped)."""
         tasks = self.datasets.eval
         n = self.cfg.generator.eval_n_samples_per_prompt
         output = await self._generator(clients, evaluation=True).generate(
@@ -424,6 +466,8 @@ class GRPOLoop:
             metrics["eval/success_rate"] = solved
         sources = [task.data_source for task in tasks for _ in range(n)]
         metrics.update(_reward_by_source("eval/reward_mean", sources, output.rewards))
+        if step is not None and self._dumper is not None and self._dumper.enabled:
+            self._dumper.write_eval(step, output, group_size=n, sources=_sources(tasks, n))
         return metrics
 
     def _input(self, tasks: list[skyrl_gym.Task], n: int) -> GeneratorInput:
@@ -488,6 +532,11 @@ _ROUND_SEED_STRIDE = 7_919
 
 def _step_seed(seed: int, step: int) -> int:
     return (seed * 1_000_003 + step) % (2**31 - 1)
+
+
+def _sources(tasks: list[skyrl_gym.Task], n: int) -> list[tuple[str, str]]:
+    """(data source, environment) of each trajectory of ``tasks`` sampled ``n`` times."""
+    return [(task.data_source, task.env_name) for task in tasks for _ in range(n)]
 
 
 def _reward_by_source(prefix: str, sources: list[str], rewards: list[float]) -> dict[str, float]:

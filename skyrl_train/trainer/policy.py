@@ -52,6 +52,7 @@ from skyrl_train.trainer.finite import require_finite, require_finite_weights
 from skyrl_train.trainer.microbatch_plan import microbatch_plan
 from skyrl_train.trainer.policy_loss import policy_loss_fn
 from skyrl_train.trainer.replay_plan import ReplayPlan
+from skyrl_train.trainer.rollout_dumps import Inspection
 from skyrl_train.trainer.weight_sync import WeightSyncer
 from skyrl_train.utils.distributed import collective_device
 from skyrl_train.utils.ray_session import rendezvous_url
@@ -439,6 +440,42 @@ class PolicyTrainer:
             trajectory_ids=trajectory_ids(batch),
         ).logprobs
         return logprobs if self.info.is_last_stage else None
+
+    def inspect(self, batch: TrainingBatch) -> Inspection | None:
+        """What the rollout dumps show of ``batch`` (a few rows, before the update): the
+        logprobs the old-logprob pass computes (replayed as the step trains) and, when
+        the batch carries the engine's routes, where the trained and the trainer's own
+        routing chose other experts than the engine (``[B, S, L]``). Every rank runs it;
+        the last pipeline stage returns it, the others None."""
+        plan = ReplayPlan.decide(
+            self.cfg.trainer.policy.routing_replay, rollout_routes=batch.routed_experts is not None
+        )
+        micro = self._microbatches(batch, self.cfg.trainer.micro_forward_batch_size_per_gpu)
+        names = trajectory_ids(batch)
+        trained = self.worker.forward(
+            batch,
+            micro_batch_size=micro,
+            replay_routes=plan.old_logprobs.replay,
+            capture_routes=plan.rollout_routes,
+            trajectory_ids=names,
+        )
+        flips = native_flips = None
+        if plan.rollout_routes:
+            native = trained
+            if plan.native_forward:
+                native = self.worker.forward(
+                    batch,
+                    micro_batch_size=micro,
+                    replay_routes=False,
+                    capture_routes=True,
+                    trajectory_ids=names,
+                )
+            assert trained.routes is not None and native.routes is not None
+            flips = self.worker.rollout_router_flips(batch, trained.routes)
+            native_flips = self.worker.rollout_router_flips(batch, native.routes)
+        if not self.info.is_last_stage:
+            return None
+        return Inspection(trained.logprobs.cpu(), flips, native_flips)
 
     # ---- weights and checkpoints ----------------------------------------------------
 

@@ -43,6 +43,7 @@ from skyrl_train.trainer.data_parallel import (
     shard_mini_batches,
 )
 from skyrl_train.trainer.policy import PolicyTrainer, RankInfo
+from skyrl_train.trainer.rollout_dumps import Inspection
 from skyrl_train.utils.durable import write_file
 from skyrl_train.utils.ray_session import reserve_bundles
 
@@ -200,6 +201,15 @@ class PolicyGroup:
         shared = ray.put(batch)
         per_rank = await _all(actor.score.remote(shared) for actor in self.actors)
         return next(logprobs for logprobs in per_rank if logprobs is not None)
+
+    async def inspect(self, batch: TrainingBatch) -> Inspection:
+        """The trainer's view of ``batch``'s rows for the rollout dumps
+        (``PolicyTrainer.inspect``): every rank runs it, as ``score``."""
+        import ray
+
+        shared = ray.put(batch)
+        per_rank = await _all(actor.inspect.remote(shared) for actor in self.actors)
+        return next(found for found in per_rank if found is not None)
 
     async def push_weights(
         self, urls: list[str], *, api_key: str | None = None, policy_version: int | None = None

@@ -234,6 +234,12 @@ class PolicyWorker(Checkpointable, Protocol):
         real rows the rollout captured (``router_padding_mask`` False)."""
         ...
 
+    def rollout_router_flips(self, batch: TrainingBatch, routes: torch.Tensor) -> torch.Tensor:
+        """``[B, S, L_moe]`` bool: where ``routes`` chose other experts than the rollout
+        (False where the rollout captured nothing); the rollout dumps' per-token form of
+        ``rollout_router_agreement``."""
+        ...
+
     def train_step(
         self,
         batch: TrainingBatch,

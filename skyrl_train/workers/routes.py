@@ -14,7 +14,7 @@ from typing import Protocol
 
 import torch
 
-from skyrl_train.algorithms.mismatch import RouterAgreement, router_agreement
+from skyrl_train.algorithms.mismatch import RouterAgreement, router_agreement, routes_differ
 from skyrl_train.dataset.batch import TrainingBatch
 from skyrl_train.dataset.route_rows import PackedRouteRows, RouteTensor
 from skyrl_train.errors import RouteReplayError
@@ -163,6 +163,32 @@ def replay_requested(
         raise RouteReplayError(enabled_key, expected="true to replay routes", got="false")
     validate_routes(batch.routed_experts, layout, trajectory_ids=trajectory_ids)
     return True
+
+
+def rollout_differences(
+    batch: TrainingBatch, routes: torch.Tensor, layout: RouteLayout
+) -> torch.Tensor:
+    """``[B, S, L_moe]`` bool, True where ``routes`` (a forward's captured ``[B, S,
+    L_moe, K]``, batch layout) chose other experts than the rollout did; False on
+    positions the rollout did not capture (padding, uncaptured rows). The per-token form
+    of ``rollout_agreement``, for the rollout dumps."""
+    if batch.routed_experts is None:
+        raise RouteReplayError("routed_experts", expected="routes to compare against", got="None")
+    check_route_shape(batch.routed_experts, layout)
+    check_route_shape(routes, layout)
+    skip = ~batch.attention_mask.to(torch.bool)
+    if batch.router_padding_mask is not None:
+        skip = skip | batch.router_padding_mask.to(torch.bool)
+    rollout = batch.routed_experts
+    if isinstance(rollout, PackedRouteRows):
+        rollout = rollout.rectangle()
+    if tuple(routes.shape) != tuple(rollout.shape):
+        raise RouteReplayError(
+            "routes",
+            expected=f"shape {tuple(rollout.shape)} (the batch's)",
+            got=str(tuple(routes.shape)),
+        )
+    return routes_differ(routes.cpu(), rollout.cpu()) & ~skip.cpu()[:, :, None]
 
 
 def rollout_agreement(

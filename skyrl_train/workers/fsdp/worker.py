@@ -274,6 +274,9 @@ class FSDPPolicyWorker:
         """Agreement of ``routes`` with the batch's rollout routes (``workers/routes.py``)."""
         return route_checks.rollout_agreement(batch, routes, self._require_gates())
 
+    def rollout_router_flips(self, batch: TrainingBatch, routes: torch.Tensor) -> torch.Tensor:
+        return route_checks.rollout_differences(batch, routes, self._require_gates())
+
     # ---- training -----------------------------------------------------------------
 
     def train_step(

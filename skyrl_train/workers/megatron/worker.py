@@ -304,6 +304,9 @@ class MegatronPolicyWorker:
         batch's rollout routes (``workers/routes.py``)."""
         return route_checks.rollout_agreement(batch, routes, self._require_routers())
 
+    def rollout_router_flips(self, batch: TrainingBatch, routes: torch.Tensor) -> torch.Tensor:
+        return route_checks.rollout_differences(batch, routes, self._require_routers())
+
     # ---- training -----------------------------------------------------------------
 
     def train_step(

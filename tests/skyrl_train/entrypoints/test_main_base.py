@@ -17,6 +17,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import pytest
 import ray
 import yarl
@@ -27,6 +28,7 @@ from skyrl_train.config.compose import load_config
 from skyrl_train.config.model_source import model_checkpoint
 from skyrl_train.config.schema import PPOConfig
 from skyrl_train.entrypoints.main_base import launch
+from skyrl_train.runs.rollouts import list_dumps, read_dump
 from skyrl_train.utils.tracking import read_metrics
 
 pytestmark = pytest.mark.slow
@@ -142,6 +144,36 @@ def test_routes_were_replayed(first_run: FirstRun) -> None:
         assert metrics["generate/route_rows"] > 0
 
 
+def test_each_step_and_evaluation_dumped_its_rollouts(first_run: FirstRun) -> None:
+    run_dir = Path(first_run.cfg.trainer.run_dir)
+    refs = list_dumps(run_dir)
+    assert [(r.step, r.kind) for r in refs] == [(1, "train"), (2, "train"), (2, "eval")]
+    rows = 2 * 4  # SMALL: 2 prompts x 4 samples, fewer than logging.dump_rollouts
+    for ref, metrics in zip(refs[:2], first_run.history, strict=True):
+        doc = read_dump(ref.path)
+        assert len(doc["trajectories"]) == rows and doc["group_size"] == 4
+        assert np.array(doc["expert_load"]).shape == (doc["num_layers"], doc["num_experts"])
+        native_flips = 0
+        for t in doc["trajectories"]:
+            count = len(t["response_ids"])
+            assert len(t["tokens"]) == len(t["advantages"]) == len(t["loss_mask"]) == count
+            # Replay on: the trained routing is the engine's on every token and layer.
+            assert t["router_flips"] == [[]] * count
+            native_flips += sum(len(layers) for layers in t["router_flips_native"])
+            # The trainer's logprobs are the old-logprob pass's (fp32 rollouts: close).
+            sampled = [j for j in range(count) if t["loss_mask"][j]]
+            gap = max(abs(t["trainer_logprobs"][j] - t["rollout_logprobs"][j]) for j in sampled)
+            assert gap < 1e-3
+            assert sum(turn["reward"] for turn in t["turns"]) == pytest.approx(
+                t["reward"], abs=1e-4
+            )
+            assert all(turn["policy_versions"] == [ref.step - 1] for turn in t["turns"])
+        # The native agreement metric counts the flips the dump lists.
+        assert (native_flips == 0) == (metrics["r3/router_agreement_native"] == 1.0)
+    evaluation = read_dump(refs[2].path)
+    assert len(evaluation["trajectories"]) == 2 and evaluation["group_size"] == 1
+
+
 def test_nothing_left_running(first_run: FirstRun) -> None:
     import ray
 
@@ -184,6 +216,11 @@ def test_resume_reproduces_the_next_step(first_run: FirstRun, tmp_path: Path) ->
     assert "][skyrl_train.entrypoints.main_base][INFO] - inference servers: http" in job_log
     rows = read_metrics(resumed_dir / "metrics.jsonl")
     assert [row["step"] for row in rows] == [2]
+    # The resumed step's rollouts are dumped again, with the same tokens.
+    assert [(r.step, r.kind) for r in list_dumps(resumed_dir)] == [(2, "train"), (2, "eval")]
+    again = read_dump(list_dumps(resumed_dir)[0].path)["trajectories"]
+    first = read_dump(list_dumps(first_run.cfg.trainer.run_dir)[1].path)["trajectories"]
+    assert [t["response_ids"] for t in again] == [t["response_ids"] for t in first]
     assert (resumed_dir / "metrics.png").is_file()
     expected = first_run.history[1]
     for key, value in rows[0].items():

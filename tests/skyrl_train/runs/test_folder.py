@@ -72,6 +72,9 @@ ARTEFACTS: dict[str, Callable[[Path], object]] = {
     ).mkdir(parents=True),
     "metrics.jsonl": lambda d: (d / "metrics.jsonl").write_bytes(b""),
     "metrics.png": lambda d: (d / "metrics.png").write_bytes(b"\x89PNG"),
+    "rollouts/step_000001.json.gz": lambda d: _mkdir_with_file(
+        d / "rollouts", "step_000001.json.gz"
+    ),
     "main_base.log": lambda d: (d / "main_base.log").write_text("launch\n"),
     "engines/engine-0.log": lambda d: _mkdir_with_file(d / "engines", "engine-0.log"),
     "tensorboard": lambda d: _mkdir_with_file(d / "tensorboard", "events.out.tfevents.1"),

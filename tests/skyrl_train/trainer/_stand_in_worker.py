@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from inference.models.architecture import MoEArchitecture
-from skyrl_train.algorithms.mismatch import RouterAgreement, router_agreement
+from skyrl_train.algorithms.mismatch import RouterAgreement, router_agreement, routes_differ
 from skyrl_train.dataset.batch import TrainingBatch
 from skyrl_train.dataset.route_rows import PackedRouteRows
 from skyrl_train.workers.base import (
@@ -90,6 +90,13 @@ class StandInWorker:
         if isinstance(rollout, PackedRouteRows):  # as collated
             rollout = rollout.rectangle()
         return router_agreement(routes, rollout, ~batch.attention_mask.bool())
+
+    def rollout_router_flips(self, batch: TrainingBatch, routes: torch.Tensor) -> torch.Tensor:
+        rollout = batch.routed_experts
+        assert rollout is not None
+        if isinstance(rollout, PackedRouteRows):
+            rollout = rollout.rectangle()
+        return routes_differ(routes, rollout) & batch.attention_mask.bool()[:, :, None]
 
     def train_step(
         self,

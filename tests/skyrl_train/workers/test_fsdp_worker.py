@@ -85,6 +85,15 @@ def test_forward_logprobs_and_routes_match_megatron(fresh, replay: bool) -> None
     agreement = fsdp.rollout_router_agreement(batch, got.routes)
     # Replayed: the gates dispatched the rollout's ids; native: random routes disagree.
     assert (agreement.agreement == 1.0) == replay
+    # The rollout dumps' per-token form says the same, on both backends, and counts
+    # only the positions the agreement compares.
+    for worker, routes in ((fsdp, got.routes), (megatron, want.routes)):
+        flips = worker.rollout_router_flips(batch, routes)
+        assert flips.shape == routes.shape[:3] and flips.dtype == torch.bool
+        compared = agreement.num_token_layers
+        assert 1.0 - flips.sum().item() / compared == pytest.approx(agreement.agreement)
+        assert not flips[~batch.attention_mask.bool()].any()
+        assert flips.any().item() != replay
 
 
 def test_sampler_replay_temperature_and_entropy_match_megatron(fresh) -> None:
