@@ -29,6 +29,7 @@ from skyrl_train.runs.export import (
     read_marker,
 )
 from skyrl_train.runs.folder import check_run_dir_path, resolve_resume
+from skyrl_train.runs.rollouts import list_dumps, write_dump
 from skyrl_train.utils.durable import write_file
 from skyrl_train.utils.tracking import MetricsTracker, read_metrics
 from tests.folder_snapshot import snapshot
@@ -232,6 +233,7 @@ def _old_run(run_dir: Path) -> dict[int, Path]:
     tracker = MetricsTracker(run_dir, start_step=0)
     for step in range(1, 7):
         tracker.log(step, {"reward": float(step)})
+        write_dump(run_dir, {"step": step, "kind": "train", "trajectories": []})
     return saved
 
 
@@ -252,6 +254,7 @@ def test_accepting_a_branch_deletes_the_history_it_supersedes(tmp_path: Path) ->
     assert [step for step, _ in list_exports(tmp_path / "exports")] == [2]
     assert sorted(p.name for p in (tmp_path / "exports").iterdir()) == ["global_step_2"]
     assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [1, 2]
+    assert [ref.step for ref in list_dumps(tmp_path)] == [1, 2]  # the rollout dumps too
     assert claim.superseded is not None
     assert [p.name for p in claim.superseded.checkpoints] == ["step_000004", "step_000006"]
     assert claim.superseded.metrics_lines == 4
@@ -270,6 +273,7 @@ def test_resuming_from_the_newest_checkpoint_deletes_nothing(tmp_path: Path) -> 
         assert len(list((tmp_path / "checkpoints").iterdir())) == 3
         assert [step for step, _ in list_exports(tmp_path / "exports")] == [2, 5]
         assert len(read_metrics(tmp_path / "metrics.jsonl")) == 6
+        assert len(list_dumps(tmp_path)) == 6
 
 
 def test_a_branch_killed_before_its_first_save_resumes_its_branch_point(tmp_path: Path) -> None:
