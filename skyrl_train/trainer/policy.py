@@ -218,15 +218,7 @@ class PolicyTrainer:
             entropy_sums = (entropy * own_tokens, own_tokens)
             metrics.mean("policy/entropy", *entropy_sums)
         if plan.rollout_routes:
-            native = as_trained
-            if plan.native_forward:
-                native = self.worker.forward(
-                    batch,
-                    micro_batch_size=micro,
-                    replay_routes=False,
-                    capture_routes=True,
-                    trajectory_ids=trajectory_ids(batch),
-                )
+            native = self._native_forward(batch, plan, as_trained, micro)
             assert as_trained.routes is not None and native.routes is not None
             for name, routes in (("trained", as_trained.routes), ("native", native.routes)):
                 got = self.worker.rollout_router_agreement(batch, routes)
@@ -441,6 +433,25 @@ class PolicyTrainer:
         ).logprobs
         return logprobs if self.info.is_last_stage else None
 
+    def _native_forward(
+        self,
+        batch: TrainingBatch,
+        plan: ReplayPlan,
+        as_trained: ForwardResult,
+        micro: int | MicrobatchPlan,
+    ) -> ForwardResult:
+        """The trainer's own routing of ``batch``: the as-trained forward when it did not
+        replay, else one more forward without replay (``plan.native_forward``)."""
+        if not plan.native_forward:
+            return as_trained
+        return self.worker.forward(
+            batch,
+            micro_batch_size=micro,
+            replay_routes=False,
+            capture_routes=True,
+            trajectory_ids=trajectory_ids(batch),
+        )
+
     def inspect(self, batch: TrainingBatch) -> Inspection | None:
         """What the rollout dumps show of ``batch`` (a few rows, before the update): the
         logprobs the old-logprob pass computes (replayed as the step trains) and, when
@@ -461,15 +472,7 @@ class PolicyTrainer:
         )
         flips = native_flips = None
         if plan.rollout_routes:
-            native = trained
-            if plan.native_forward:
-                native = self.worker.forward(
-                    batch,
-                    micro_batch_size=micro,
-                    replay_routes=False,
-                    capture_routes=True,
-                    trajectory_ids=names,
-                )
+            native = self._native_forward(batch, plan, trained, micro)
             assert trained.routes is not None and native.routes is not None
             flips = self.worker.rollout_router_flips(batch, trained.routes)
             native_flips = self.worker.rollout_router_flips(batch, native.routes)
