@@ -15,6 +15,7 @@ configuration, which retrying cannot fix.
       RouteReplayError        routes cannot be replayed by the trainer (names trajectory, layer)
       ServedWeightsError      an engine serves other weights than the trainer pushed
                               (names the engine, the policy version, the worst token)
+      RolloutDumpError        a rollout dump cannot be read (``file``: names the file)
 
 ``path`` is always the dotted config key to change (``trainer.resume_from``) and the
 message starts with it: ``path: expected X, got Y``, or, when a file is at fault,
@@ -182,3 +183,13 @@ class ServedWeightsError(SkyRLTrainError, ValueError):
         super().__init__(
             f"engine {url} after the push of policy version {policy_version}: {reason}"
         )
+
+
+class RolloutDumpError(SkyRLTrainError, ValueError):
+    """A rollout dump (``runs/rollouts.py``) that cannot be read: torn, missing, or of
+    another format or version; the message reads ``file: problem``."""
+
+    def __init__(self, file: str | Path, problem: str) -> None:
+        self.file = Path(file)
+        self.problem = problem
+        super().__init__(f"{file}: {problem}")

@@ -46,7 +46,22 @@ from typing import Any
 
 import orjson
 
+from skyrl_train.errors import RolloutDumpError
 from skyrl_train.utils.durable import replace_file
+
+__all__ = [
+    "FORMAT",
+    "KINDS",
+    "ROLLOUTS_DIR",
+    "VERSION",
+    "DumpRef",
+    "RolloutDumpError",
+    "drop_dumps_after",
+    "dump_path",
+    "list_dumps",
+    "read_dump",
+    "write_dump",
+]
 
 ROLLOUTS_DIR = "rollouts"
 FORMAT = "skyrl-r3/rollouts"
@@ -54,15 +69,6 @@ VERSION = 1
 KINDS = ("train", "eval")
 _NAME = re.compile(r"^(step|eval)_(\d{6,})\.json\.gz$")
 _PREFIX = {"train": "step", "eval": "eval"}
-
-
-class RolloutDumpError(ValueError):
-    """A dump that cannot be read: names the file and what is wrong with it."""
-
-    def __init__(self, path: Path | str, problem: str) -> None:
-        super().__init__(f"{path}: {problem}")
-        self.path = Path(path)
-        self.problem = problem
 
 
 @dataclass(frozen=True)

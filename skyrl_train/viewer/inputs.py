@@ -14,6 +14,7 @@ from typing import Any
 
 import orjson
 
+from skyrl_train.errors import SkyRLTrainError
 from skyrl_train.runs.rollouts import ROLLOUTS_DIR, DumpRef, RolloutDumpError, list_dumps
 from skyrl_train.utils.tracking import PLOT_PANELS
 
@@ -33,7 +34,7 @@ PANELS: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = (
 keys reach the page."""
 
 
-class NotARunError(ValueError):
+class NotARunError(SkyRLTrainError, ValueError):
     """A path given as a run folder that holds none of a run's files."""
 
 

@@ -17,6 +17,7 @@ from typing import Any
 
 import orjson
 
+from skyrl_train.errors import SkyRLTrainError
 from skyrl_train.runs.rollouts import dump_path
 from skyrl_train.viewer.inputs import NotARunError, load_runs
 from skyrl_train.viewer.site import MANIFEST, asset_files, dump_script, manifest_script
@@ -27,7 +28,7 @@ _TYPES = {".html": "text/html; charset=utf-8", ".js": "text/javascript; charset=
 _TYPES[".css"] = "text/css; charset=utf-8"
 
 
-class NotLoopbackError(ValueError):
+class NotLoopbackError(SkyRLTrainError, ValueError):
     """A host to serve on that is not this machine's loopback address."""
 
 

@@ -100,7 +100,7 @@ def test_a_bad_dump_is_refused_naming_the_file(
     path.write_bytes(content)
     with pytest.raises(RolloutDumpError, match=re.escape(problem)) as caught:
         read_dump(path)
-    assert caught.value.path == path and str(caught.value).startswith(f"{path}: ")
+    assert caught.value.file == path and str(caught.value).startswith(f"{path}: ")
 
 
 def test_a_missing_dump_names_the_file(tmp_path: Path) -> None:
