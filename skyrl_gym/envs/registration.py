@@ -48,6 +48,8 @@ class EnvSpec:
 registry: dict[str, EnvSpec] = {}
 """Every registered id (entry points once looked up); use ``register`` to add."""
 _entry_points_loaded = False
+_from_entry_points: set[str] = set()
+"""Ids only an entry point declared: ``register`` may take them over."""
 
 
 def _load_entry_points() -> None:
@@ -60,7 +62,9 @@ def _load_entry_points() -> None:
     from importlib.metadata import entry_points
 
     for ep in entry_points(group=ENTRY_POINT_GROUP):
-        registry.setdefault(ep.name, EnvSpec(id=ep.name, entry_point=ep.value))
+        if ep.name not in registry:  # a register() call wins over an entry point
+            registry[ep.name] = EnvSpec(id=ep.name, entry_point=ep.value)
+            _from_entry_points.add(ep.name)
 
 
 def reload_entry_points() -> None:
@@ -93,27 +97,20 @@ def register(
         )
     if kwargs is not None and not isinstance(kwargs, dict):
         raise RegistrationError(f"register({id!r}).kwargs: expected a dict, got {kwargs!r}")
-    _load_entry_points()  # a register() call must win over an entry point of the same id
+    # Entry points are not read here: one read later keeps this registration.
     existing = registry.get(id)
-    if existing is not None and not _is_entry_point_only(existing):
+    if existing is not None and id not in _from_entry_points:
         raise RegistrationError(
             f"register.id: expected an id not yet registered, got {id!r} "
             f"(registered to {existing.entry_point!r}; deregister it first)"
         )
     registry[id] = EnvSpec(id=id, entry_point=entry_point, kwargs=dict(kwargs or {}))
-
-
-def _is_entry_point_only(spec: EnvSpec) -> bool:
-    from importlib.metadata import entry_points
-
-    return any(
-        ep.name == spec.id and ep.value == spec.entry_point
-        for ep in entry_points(group=ENTRY_POINT_GROUP)
-    )
+    _from_entry_points.discard(id)
 
 
 def deregister(id: str) -> None:  # noqa: A002 - SkyRL's name
     """Remove ``id`` (plugins and tests that register temporary environments)."""
+    _from_entry_points.discard(id)
     if registry.pop(id, None) is None:
         raise EnvError(f"deregister.id: expected one of {registered()}, got {id!r}")
 
