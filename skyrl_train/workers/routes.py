@@ -165,6 +165,18 @@ def replay_requested(
     return True
 
 
+def _not_compared(batch: TrainingBatch, layout: RouteLayout) -> torch.Tensor:
+    """``[B, S]`` True where the rollout's routes are not compared: padding and rows the
+    rollout did not capture; refuses a batch without routes."""
+    if batch.routed_experts is None:
+        raise RouteReplayError("routed_experts", expected="routes to compare against", got="None")
+    check_route_shape(batch.routed_experts, layout)
+    skip = ~batch.attention_mask.to(torch.bool)
+    if batch.router_padding_mask is not None:
+        skip = skip | batch.router_padding_mask.to(torch.bool)
+    return skip
+
+
 def rollout_differences(
     batch: TrainingBatch, routes: torch.Tensor, layout: RouteLayout
 ) -> torch.Tensor:
@@ -172,14 +184,10 @@ def rollout_differences(
     L_moe, K]``, batch layout) chose other experts than the rollout did; False on
     positions the rollout did not capture (padding, uncaptured rows). The per-token form
     of ``rollout_agreement``, for the rollout dumps."""
-    if batch.routed_experts is None:
-        raise RouteReplayError("routed_experts", expected="routes to compare against", got="None")
-    check_route_shape(batch.routed_experts, layout)
+    skip = _not_compared(batch, layout)
     check_route_shape(routes, layout)
-    skip = ~batch.attention_mask.to(torch.bool)
-    if batch.router_padding_mask is not None:
-        skip = skip | batch.router_padding_mask.to(torch.bool)
     rollout = batch.routed_experts
+    assert rollout is not None  # _not_compared refused a batch without
     if isinstance(rollout, PackedRouteRows):
         rollout = rollout.rectangle()
     if tuple(routes.shape) != tuple(rollout.shape):
@@ -198,12 +206,8 @@ def rollout_agreement(
     batch's rollout routes over the real positions the rollout captured
     (``router_padding_mask`` False), with the token-layer count that weights it across
     data-parallel ranks."""
-    if batch.routed_experts is None:
-        raise RouteReplayError("routed_experts", expected="routes to compare against", got="None")
-    check_route_shape(batch.routed_experts, layout)
-    skip = ~batch.attention_mask.to(torch.bool)
-    if batch.router_padding_mask is not None:
-        skip = skip | batch.router_padding_mask.to(torch.bool)
+    skip = _not_compared(batch, layout)
+    assert batch.routed_experts is not None  # _not_compared refused a batch without
     if isinstance(batch.routed_experts, PackedRouteRows):
         # Compared on the packed tokens: no rectangle of the rollout's routes.
         packed = batch.routed_experts
