@@ -3,7 +3,7 @@
     python scripts/compare_r3.py [--seeds 3] [--steps N] [--arms r3,no_r3,gspo]
                                  [--png compare_r3.png] [--json] [--histories FILE]
                                  [--resume | --replot] [--bar 0.5 --max-drop 0.1]
-                                 [--strategy megatron|fsdp] [hydra overrides ...]
+                                 [--strategy megatron|fsdp] [--jobs N] [hydra overrides ...]
 
 Each arm runs the embedded default (plus the overrides) once per seed
 (``trainer.seed`` = 0, 1, ...: prompts and sampling change, the model does not); every
@@ -33,10 +33,12 @@ import argparse
 import dataclasses
 import json
 import logging
+import multiprocessing
 import os
 import platform
 import sys
 import tempfile
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 
 import numpy as np
@@ -216,6 +218,46 @@ def plot(results: dict[str, list[list[dict[str, float]]]], png: Path, title: str
     plt.close(fig)
 
 
+def run_one(arm: str, seed: int, overrides: list[str], run_dir: str) -> list[dict[str, float]]:
+    """One run of ``arm`` on ``seed``: its per-step metrics."""
+    cfg = load_config(
+        [
+            "logging.progress_bar=false",
+            "logging.plot=false",
+            f"trainer.run_dir={run_dir}",
+            f"trainer.seed={seed}",
+            *ARMS[arm][1],
+            *overrides,
+        ]
+    )
+    return run(cfg)
+
+
+class SeedOrder:
+    """Runs as they finish, in any order, kept per arm as seeds 0, 1, ... with no gap:
+    the histories file (and ``--resume``) only ever holds a run whose seeds below it
+    are there too."""
+
+    def __init__(self, arms: list[str], done: dict[str, list[list[dict[str, float]]]]):
+        self.histories = {arm: list(done.get(arm, [])) for arm in arms}
+        self._early: dict[tuple[str, int], list[dict[str, float]]] = {}
+
+    def missing(self, seeds: int) -> list[tuple[int, str]]:
+        """(seed, arm) not yet run, seed by seed, arms alternating within a seed."""
+        return [
+            (seed, arm)
+            for seed in range(seeds)
+            for arm in self.histories
+            if seed >= len(self.histories[arm])
+        ]
+
+    def add(self, arm: str, seed: int, history: list[dict[str, float]]) -> None:
+        self._early[(arm, seed)] = history
+        runs = self.histories[arm]
+        while (arm, len(runs)) in self._early:
+            runs.append(self._early.pop((arm, len(runs))))
+
+
 def run_arms(
     arms: list[str],
     seeds: int,
@@ -223,34 +265,37 @@ def run_arms(
     out: Path | None,
     *,
     done: dict[str, list[list[dict[str, float]]]] | None = None,
+    jobs: int = 1,
 ) -> dict[str, list[list[dict[str, float]]]]:
-    """Every arm once per seed, arms alternating within a seed (drift hits all alike);
-    the histories are written to ``out`` after each run, so a crash loses nothing, and
-    runs already in ``done`` (seeds 0..n-1 of an arm) are kept, not rerun."""
-    histories: dict[str, list[list[dict[str, float]]]] = {
-        arm: list((done or {}).get(arm, [])) for arm in arms
-    }
+    """Every arm once per seed, arms alternating within a seed (drift hits all alike),
+    ``jobs`` runs at a time (each its own process and local Ray); the histories are
+    written to ``out`` after each run, so a crash loses nothing, and runs already in
+    ``done`` (seeds 0..n-1 of an arm) are kept, not rerun."""
+    order = SeedOrder(arms, done or {})
+
+    def finished(arm: str, seed: int, history: list[dict[str, float]]) -> None:
+        order.add(arm, seed, history)
+        if out is not None:
+            out.write_text(json.dumps(order.histories))
+        print(f"done: {arm} seed {seed}: {reduce_history(history)}", flush=True)
+
     with tempfile.TemporaryDirectory() as tmp:
-        for seed in range(seeds):
-            for arm in arms:
-                if seed < len(histories[arm]):
-                    continue
-                cfg = load_config(
-                    [
-                        "logging.progress_bar=false",
-                        "logging.plot=false",
-                        f"trainer.run_dir={Path(tmp) / f'{arm}_{seed}'}",
-                        f"trainer.seed={seed}",
-                        *ARMS[arm][1],
-                        *overrides,
-                    ]
-                )
-                history = run(cfg)
-                histories[arm].append(history)
-                if out is not None:
-                    out.write_text(json.dumps(histories))
-                print(f"done: {arm} seed {seed}: {reduce_history(history)}", flush=True)
-    return histories
+        todo = [
+            (arm, seed, overrides, str(Path(tmp) / f"{arm}_{seed}"))
+            for seed, arm in order.missing(seeds)
+        ]
+        if jobs == 1:
+            for args in todo:
+                finished(args[0], args[1], run_one(*args))
+        else:
+            # Spawned, not forked: each run starts its own Ray and threads.
+            context = multiprocessing.get_context("spawn")
+            with ProcessPoolExecutor(max_workers=jobs, mp_context=context) as pool:
+                futures = {pool.submit(run_one, *args): args for args in todo}
+                for future in as_completed(futures):
+                    arm, seed = futures[future][:2]
+                    finished(arm, seed, future.result())
+    return order.histories
 
 
 def main() -> None:
@@ -260,6 +305,13 @@ def main() -> None:
     parser.add_argument("--arms", default=",".join(ARMS))
     parser.add_argument("--png", type=Path, default=Path("compare_r3.png"))
     parser.add_argument("--json", action="store_true")
+    parser.add_argument(
+        "--jobs",
+        type=int,
+        default=1,
+        help="runs at a time, each in its own process (results do not depend on it; "
+        "wall times do, so time a run alone)",
+    )
     parser.add_argument(
         "--histories",
         type=Path,
@@ -295,6 +347,8 @@ def main() -> None:
     unknown = [a for a in arms if a not in ARMS]
     if unknown or args.seeds < 1:
         parser.error(f"--arms: expected names from {list(ARMS)}, got {unknown}; --seeds >= 1")
+    if args.jobs < 1:
+        parser.error(f"--jobs: expected at least 1, got {args.jobs}")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     # The launch logs each step through ``logging`` (the CLI sets up its console itself).
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -313,7 +367,9 @@ def main() -> None:
             if args.histories is None or not args.histories.is_file():
                 parser.error("--resume: expected an existing --histories FILE")
             done = json.loads(args.histories.read_text())
-        histories = run_arms(arms, args.seeds, [*steps, *overrides], args.histories, done=done)
+        histories = run_arms(
+            arms, args.seeds, [*steps, *overrides], args.histories, done=done, jobs=args.jobs
+        )
     reduced = {arm: [reduce_history(h) for h in hists] for arm, hists in histories.items()}
     summary = {
         arm: {

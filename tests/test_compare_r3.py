@@ -106,3 +106,19 @@ def test_final_and_best_eval_are_reduced_apart() -> None:
     reduced = compare.reduce_history(_history({10: 0.6, 20: 0.8, 30: 0.7}))
     assert reduced["eval/reward_mean"] == 0.7
     assert reduced["eval/reward_mean_best"] == 0.8
+
+
+def test_runs_finishing_out_of_order_are_kept_in_seed_order_with_no_gap() -> None:
+    """``--jobs``: seed 2 may finish before seed 1; the histories (and a --resume) only
+    ever hold seeds 0..n-1, so seed 2 waits until seed 1 is in."""
+    compare = _module()
+    first = _history({1: 0.1}, steps=1)
+    order = compare.SeedOrder(["r3", "no_r3"], {"r3": [first]})
+    assert order.missing(3) == [(0, "no_r3"), (1, "r3"), (1, "no_r3"), (2, "r3"), (2, "no_r3")]
+    runs = {seed: _history({1: seed / 10}, steps=1) for seed in range(3)}
+    order.add("r3", 2, runs[2])
+    order.add("no_r3", 0, runs[0])
+    assert order.histories == {"r3": [first], "no_r3": [runs[0]]}
+    order.add("r3", 1, runs[1])
+    assert order.histories["r3"] == [first, runs[1], runs[2]]
+    assert order.missing(3) == [(1, "no_r3"), (2, "no_r3")]

@@ -1,8 +1,9 @@
 """The policy's optimizer and learning-rate schedule, for every trainer backend.
 
 ``torch.optim.AdamW`` built from ``trainer.policy.optimizer_config``, its rate warmed
-up linearly over ``num_warmup_steps`` optimizer steps (docs/configuration.md, "Warmup,
-trackers, stopping"), and the step itself, skipped on a non-finite gradient norm. A
+up linearly over ``num_warmup_steps`` optimizer steps and decayed linearly to ``min_lr``
+over ``lr_decay_steps`` after them (docs/configuration.md, "Warmup, trackers,
+stopping"), and the step itself, skipped on a non-finite gradient norm. A
 backend reduces its gradients and computes their global norm its own way (Megatron's
 parallel groups: ``workers/megatron/gradients.py``; FSDP's shards:
 ``workers/fsdp/state.py``), clips them with ``clip_to_norm_`` and then calls
@@ -50,11 +51,23 @@ def steps_taken(optimizer: torch.optim.Optimizer) -> int:
 
 
 def scheduled_lr(config: OptimizerConfig, optimizer: torch.optim.Optimizer) -> float:
-    """The learning rate ``optimizer``'s next step uses: ``lr`` after the warm-up,
-    ``lr * (n + 1) / num_warmup_steps`` for the step after the n-th before it."""
-    if config.num_warmup_steps <= 0:
+    """The learning rate ``optimizer``'s next step uses: ``lr * (n + 1) /
+    num_warmup_steps`` for the step after the n-th during the warm-up; after it, ``lr``
+    falling linearly to ``min_lr`` over ``lr_decay_steps`` steps (``lr`` for good with
+    no decay), then ``min_lr``."""
+    if config.lr_decay_steps is None:
+        raise ValueError(
+            "lr_decay_steps: expected a number of optimizer steps (a null is the run's "
+            "length, resolved by config.lr_schedule.run_optimizer_config), got None"
+        )
+    n = steps_taken(optimizer)
+    warmup = config.num_warmup_steps
+    if n < warmup:
+        return config.lr * (n + 1) / warmup
+    if config.lr_decay_steps <= 0:
         return config.lr
-    return config.lr * min(1.0, (steps_taken(optimizer) + 1) / config.num_warmup_steps)
+    done = min(1.0, (n - warmup) / config.lr_decay_steps)
+    return config.lr - (config.lr - config.min_lr) * done
 
 
 def clip_to_norm_(grads: Iterable[torch.Tensor], *, norm: float, max_norm: float) -> None:

@@ -36,10 +36,15 @@ ENTROPY_BOOST_CAP = 10.0
 entropy, and with it the ratio, goes to 0."""
 
 
-def entropy_coefficient(coef: float, *, target: float | None, entropy: float) -> float:
-    """The step's entropy-bonus coefficient (``trainer.algorithm.entropy_target``):
-    ``coef`` at or above ``target`` nats (or with no target), raised in proportion to
-    how far ``entropy`` is below it, at most ``ENTROPY_BOOST_CAP`` times, below."""
+def entropy_coefficient(
+    coef: float, *, target: float | None, entropy: float, ceiling: float | None = None
+) -> float:
+    """The step's entropy-bonus coefficient: 0 at or above ``ceiling`` nats
+    (``trainer.algorithm.entropy_ceiling``); otherwise ``coef`` at or above ``target``
+    nats (``entropy_target``, or with no target), raised in proportion to how far
+    ``entropy`` is below it, at most ``ENTROPY_BOOST_CAP`` times, below."""
+    if ceiling is not None and entropy >= ceiling:
+        return 0.0
     if target is None or entropy >= target:
         return coef
     return coef * min(ENTROPY_BOOST_CAP, target / max(entropy, 1e-12))

@@ -5,8 +5,9 @@ refused where it would be accepted and do nothing.
 baseline with nothing else to fall back on leaves at zero advantage
 (``FLAT_GROUP_ZERO_ESTIMATORS``: grpo, rloo); ``turn_grpo`` scores a flat group's turns
 against the batch and ``reinforce++`` whitens over the batch, so neither has a step for
-them to act on. ``entropy_target`` scales the entropy bonus's coefficient, so it needs
-a bonus (``use_entropy_loss`` with ``entropy_loss_coef`` > 0).
+them to act on. ``entropy_target`` and ``entropy_ceiling`` scale the entropy bonus's
+coefficient, so they need a bonus (``use_entropy_loss`` with ``entropy_loss_coef`` > 0),
+and a ceiling at or below the target would switch the raised bonus off.
 """
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ ALGORITHM = "trainer.algorithm"
 
 
 def check_algorithm_options(cfg: PPOConfig) -> None:
-    """Refuse a flat-group option turned on under an estimator without flat groups, and
-    ``entropy_target`` without an entropy bonus to scale."""
+    """Refuse a flat-group option turned on under an estimator without flat groups,
+    ``entropy_target`` or ``entropy_ceiling`` without an entropy bonus to scale, and a
+    ceiling at or below the target."""
     alg = cfg.trainer.algorithm
     estimator = alg.advantage_estimator
     if estimator not in FLAT_GROUP_ZERO_ESTIMATORS:
@@ -33,17 +35,27 @@ def check_algorithm_options(cfg: PPOConfig) -> None:
                     f"zero advantage (it acts only with {' or '.join(FLAT_GROUP_ZERO_ESTIMATORS)})",
                     got="true",
                 )
-    if alg.entropy_target is None:
-        return
-    if not alg.use_entropy_loss:
-        missing = f"{ALGORITHM}.use_entropy_loss false"
-    elif alg.entropy_loss_coef == 0:
-        missing = f"{ALGORITHM}.entropy_loss_coef 0"
-    else:
-        return
-    raise ConfigValidationError(
-        f"{ALGORITHM}.entropy_target",
-        expected=f"null with {missing} (the target scales the entropy bonus's "
-        "coefficient, and there is no bonus)",
-        got=str(alg.entropy_target),
-    )
+    for name in ("entropy_target", "entropy_ceiling"):
+        value = getattr(alg, name)
+        if value is None:
+            continue
+        if not alg.use_entropy_loss:
+            missing = f"{ALGORITHM}.use_entropy_loss false"
+        elif alg.entropy_loss_coef == 0:
+            missing = f"{ALGORITHM}.entropy_loss_coef 0"
+        else:
+            continue
+        raise ConfigValidationError(
+            f"{ALGORITHM}.{name}",
+            expected=f"null with {missing} (it scales the entropy bonus's "
+            "coefficient, and there is no bonus)",
+            got=str(value),
+        )
+    target, ceiling = alg.entropy_target, alg.entropy_ceiling
+    if target is not None and ceiling is not None and ceiling <= target:
+        raise ConfigValidationError(
+            f"{ALGORITHM}.entropy_ceiling",
+            expected=f"above {ALGORITHM}.entropy_target ({target} nats): at or below it "
+            "the bonus the target raises is switched off",
+            got=str(ceiling),
+        )

@@ -313,6 +313,12 @@ class OptimizerConfig:
     num_warmup_steps: int = setting(0, ge=0)
     """Optimizer steps (every mini-batch and epoch is one) over which the learning rate
     rises linearly to ``lr``; 0 keeps it constant. Resumes with the optimizer state."""
+    lr_decay_steps: int | None = setting(0, ge=0)
+    """Optimizer steps after the warm-up over which the rate falls linearly from ``lr``
+    to ``min_lr`` (and stays there); 0 keeps it at ``lr``; null (the default config's):
+    over the rest of the run, however long it is (``config/lr_schedule.py``)."""
+    min_lr: float = setting(0.0, ge=0.0)
+    """Where ``lr_decay_steps`` ends; at most ``lr``."""
 
 
 @dataclass
@@ -448,6 +454,12 @@ class AlgorithmConfig:
     times the coefficient), so groups keep varying instead of settling on one answer a
     prompt; at or above it the coefficient is ``entropy_loss_coef``. Null: constant.
     Refused without a bonus to scale (``use_entropy_loss`` false or a coefficient of 0)."""
+    entropy_ceiling: float | None = setting(None, gt=0.0)
+    """Nats per token. Set: a step whose policy entropy (the same measure as
+    ``entropy_target``'s) is at or above this trains with no entropy bonus, so the bonus
+    keeps a policy from settling on one answer without pushing a near-uniform one further
+    towards uniform. Null: the bonus applies at every entropy. Refused without a bonus,
+    and at or below ``entropy_target``."""
     skip_flat_steps: bool | None = None
     """A step whose groups are all flat (every sample of each prompt scored the same)
     while some prompts pay more than others makes no optimizer step: its policy

@@ -37,6 +37,7 @@ from skyrl_train.config.engine_rules import (
     check_sampling_params,
     check_vllm_model,
 )
+from skyrl_train.config.lr_schedule import check_lr_schedule
 from skyrl_train.config.megatron_rules import EXPERT_TENSOR_SIZES_WITH_EXPERTS, check_megatron
 from skyrl_train.config.megatron_unsupported import (
     UNSUPPORTED_MEGATRON_SETTINGS,
@@ -248,6 +249,7 @@ def _check_trainer(cfg: PPOConfig, *, evaluation: bool) -> None:
             got=str(alg.clip_ratio_c),
         )
     check_algorithm_options(cfg)
+    check_lr_schedule(cfg)
     check_off_policy_correction(cfg)
     check_fully_async_correction(cfg)
     ds, d = alg.dynamic_sampling, f"{a}.dynamic_sampling"

@@ -287,7 +287,7 @@ class PolicyTrainer:
         every rank trains with the same one. Ranks without logprobs (not the last
         pipeline stage) add (0, 0)."""
         algo = self.cfg.trainer.algorithm
-        if algo.entropy_target is None:
+        if algo.entropy_target is None and algo.entropy_ceiling is None:
             return algo.entropy_loss_coef
         sums = torch.tensor([entropy_sum, tokens], dtype=torch.float64, device=collective_device())
         if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
@@ -295,7 +295,12 @@ class PolicyTrainer:
             # alike, so the ratio is still the data-parallel batch's mean.
             torch.distributed.all_reduce(sums)
         mean = float(sums[0] / sums[1]) if float(sums[1]) else 0.0
-        return entropy_coefficient(algo.entropy_loss_coef, target=algo.entropy_target, entropy=mean)
+        return entropy_coefficient(
+            algo.entropy_loss_coef,
+            target=algo.entropy_target,
+            ceiling=algo.entropy_ceiling,
+            entropy=mean,
+        )
 
     def _update(
         self,

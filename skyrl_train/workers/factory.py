@@ -13,6 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from inference.models.architecture import MoEArchitecture
+from skyrl_train.config.lr_schedule import run_optimizer_config
 from skyrl_train.config.routing_replay import megatron_worker_config
 from skyrl_train.config.schema import STRATEGIES, PPOConfig, trainer_temperature
 from skyrl_train.workers.base import PolicyWorker
@@ -67,7 +68,7 @@ def build_worker(
             checkpoint,
             architecture,
             policy.fsdp_config,
-            optimizer=policy.optimizer_config,
+            optimizer=run_optimizer_config(cfg),
             seed=cfg.trainer.seed,
             pad_token_id=pad_token_id,
             temperature=trainer_temperature(cfg),
@@ -84,7 +85,7 @@ def build_worker(
         # The node's two deprecated keys (null by now) hold the run's mode too, so the
         # node agrees with the argument the worker replays by.
         megatron_worker_config(policy.megatron_config, policy.routing_replay),
-        optimizer=policy.optimizer_config,
+        optimizer=run_optimizer_config(cfg),
         seed=cfg.trainer.seed,
         pad_token_id=pad_token_id,
         temperature=trainer_temperature(cfg),

@@ -61,3 +61,12 @@ def test_entropy_coefficient_rises_only_below_the_target_and_at_most_by_the_cap(
     assert entropy_coefficient(0.03, target=0.3, entropy=0.1) == pytest.approx(0.09)
     assert entropy_coefficient(0.03, target=0.3, entropy=0.001) == 0.03 * ENTROPY_BOOST_CAP
     assert entropy_coefficient(0.03, target=0.3, entropy=0.0) == 0.03 * ENTROPY_BOOST_CAP
+
+
+def test_entropy_coefficient_is_zero_at_or_above_the_ceiling() -> None:
+    assert entropy_coefficient(0.1, target=None, ceiling=3.0, entropy=3.0) == 0.0  # at it
+    assert entropy_coefficient(0.1, target=None, ceiling=3.0, entropy=5.4) == 0.0
+    assert entropy_coefficient(0.1, target=None, ceiling=3.0, entropy=2.99) == 0.1
+    assert entropy_coefficient(0.1, target=None, ceiling=None, entropy=5.4) == 0.1
+    # Below both, the target still raises it.
+    assert entropy_coefficient(0.1, target=0.5, ceiling=3.0, entropy=0.25) == pytest.approx(0.2)

@@ -67,6 +67,26 @@ def test_the_warm_up_rises_per_step_and_resumes_from_a_loaded_state() -> None:
     assert scheduled_lr(flat, build_optimizer(model.parameters(), flat)) == LR
 
 
+def test_the_decay_falls_linearly_to_min_lr_after_the_warm_up_and_resumes() -> None:
+    config = OptimizerConfig(lr=LR, num_warmup_steps=2, lr_decay_steps=4, min_lr=LR / 10)
+    model = _model()
+    optimizer = build_optimizer(model.parameters(), config)
+    rates = []
+    for _ in range(4):
+        rates.append(scheduled_lr(config, optimizer))
+        _backward(model)
+        assert optimizer_step(optimizer, lr=rates[-1], grad_norm=1.0)
+    resumed = build_optimizer(model.parameters(), config)
+    resumed.load_state_dict(optimizer.state_dict())
+    for _ in range(4):
+        rates.append(scheduled_lr(config, resumed))
+        _backward(model)
+        optimizer_step(resumed, lr=rates[-1], grad_norm=1.0)
+    step = (LR - LR / 10) / 4
+    expected = [LR / 2, LR, LR, LR - step, LR - 2 * step, LR - 3 * step, LR / 10, LR / 10]
+    assert rates == pytest.approx(expected, rel=1e-12)
+
+
 def test_a_non_finite_norm_takes_no_step() -> None:
     config = OptimizerConfig(lr=LR, num_warmup_steps=2)
     model = _model()

@@ -618,11 +618,28 @@ def test_flat_group_options_default_to_what_each_estimator_does() -> None:
         ("entropy_loss_coef=0", "trainer.algorithm.entropy_loss_coef 0"),
     ],
 )
-def test_entropy_target_without_a_bonus_is_refused(override: str, missing: str) -> None:
-    err = _refusal(["trainer.algorithm.entropy_target=0.3", f"trainer.algorithm.{override}"])
-    assert err.path == "trainer.algorithm.entropy_target" and err.got == "0.3"
+@pytest.mark.parametrize("name", ["entropy_target", "entropy_ceiling"])
+def test_entropy_target_or_ceiling_without_a_bonus_is_refused(
+    name: str, override: str, missing: str
+) -> None:
+    err = _refusal([f"trainer.algorithm.{name}=0.3", f"trainer.algorithm.{override}"])
+    assert err.path == f"trainer.algorithm.{name}" and err.got == "0.3"
     assert err.expected is not None and err.expected.startswith(f"null with {missing}")
-    validate_cfg(load_config(["trainer.algorithm.entropy_target=0.3"]))  # the default bonus
+    validate_cfg(load_config([f"trainer.algorithm.{name}=0.3"]))  # the default bonus
+
+
+@pytest.mark.parametrize("ceiling", ["0.5", "0.3"])
+def test_entropy_ceiling_at_or_below_the_target_is_refused(ceiling: str) -> None:
+    err = _refusal(
+        ["trainer.algorithm.entropy_target=0.5", f"trainer.algorithm.entropy_ceiling={ceiling}"]
+    )
+    assert err.path == "trainer.algorithm.entropy_ceiling" and err.got == ceiling
+    assert (
+        err.expected is not None and "above trainer.algorithm.entropy_target (0.5" in err.expected
+    )
+    validate_cfg(
+        load_config(["trainer.algorithm.entropy_target=0.5", "trainer.algorithm.entropy_ceiling=3"])
+    )
 
 
 def test_validate_cfg_takes_a_composed_hydra_config_too() -> None:
@@ -688,3 +705,21 @@ def test_an_environment_that_generates_no_prompts_needs_dataset_files() -> None:
     err = _refusal(["environment.env_class=text2sql"])
     assert err.path == "data.train_data"
     assert "'text2sql' generates no prompts" in err.reason
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        (["min_lr=0.01", "lr_decay_steps=10"], "at most trainer.policy.optimizer_config.lr"),
+        (
+            ["min_lr=0.0001", "lr_decay_steps=0"],
+            "0 with trainer.policy.optimizer_config.lr_decay_steps 0",
+        ),
+    ],
+)
+def test_a_min_lr_the_decay_cannot_reach_is_refused(overrides: list[str], expected: str) -> None:
+    opt = "trainer.policy.optimizer_config"
+    err = _refusal([f"{opt}.{o}" for o in overrides])
+    assert err.path == f"{opt}.min_lr" and err.expected is not None
+    assert err.expected.startswith(expected)
+    validate_cfg(load_config([f"{opt}.min_lr=0.0001", f"{opt}.lr_decay_steps=10"]))

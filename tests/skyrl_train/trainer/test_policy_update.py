@@ -267,12 +267,25 @@ def test_entropy_loss_without_the_workers_entropy_fails_loudly(tmp_path: Path) -
         trainer.train(_batch(generator), step=1)
 
 
-@pytest.mark.parametrize(("target", "coef"), [(None, 0.1), (0.5, 0.1), (4.0, 0.4), (50.0, 1.0)])
-def test_entropy_target_raises_the_bonus_of_a_step_below_it(
-    tmp_path: Path, target: float | None, coef: float
+@pytest.mark.parametrize(
+    ("target", "ceiling", "coef"),
+    [
+        (None, None, 0.1),
+        (0.5, None, 0.1),
+        (4.0, None, 0.4),
+        (50.0, None, 1.0),
+        (None, 1.0, 0.0),
+        (None, 0.5, 0.0),
+        (None, 2.0, 0.1),
+        (4.0, 8.0, 0.4),
+    ],
+)
+def test_entropy_target_and_ceiling_set_the_bonus_of_a_step(
+    tmp_path: Path, target: float | None, ceiling: float | None, coef: float
 ) -> None:
     """The stand-in's entropy is 1 nat on every token: a target above it multiplies the
     coefficient by target / 1 (at most ENTROPY_BOOST_CAP = 10), one below it or none
+    leaves it alone; a ceiling at or below it switches the bonus off, one above it
     leaves it alone; the gradient is the loss's with that coefficient."""
     cfg = load_config(
         [
@@ -282,6 +295,7 @@ def test_entropy_target_raises_the_bonus_of_a_step_below_it(
             f"generator.n_samples_per_prompt={N_SAMPLES}",
             "trainer.algorithm.entropy_loss_coef=0.1",
             f"trainer.algorithm.entropy_target={'null' if target is None else target}",
+            f"trainer.algorithm.entropy_ceiling={'null' if ceiling is None else ceiling}",
             "trainer.ref.log_kl=false",
         ]
     )
