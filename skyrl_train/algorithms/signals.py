@@ -36,6 +36,17 @@ ENTROPY_BOOST_CAP = 10.0
 entropy, and with it the ratio, goes to 0."""
 
 
+def scheduled_entropy_coef(coef: float, *, end: float | None, step: int, num_steps: int) -> float:
+    """The bonus coefficient before ``entropy_target``/``entropy_ceiling`` act: ``coef``
+    at step 1 falling (or rising) linearly to ``end`` at step ``num_steps``
+    (``trainer.algorithm.entropy_loss_coef_end``), ``end`` after it; ``coef`` for good
+    with no end."""
+    if end is None:
+        return coef
+    done = min(1.0, max(0, step - 1) / max(1, num_steps - 1))
+    return coef + (end - coef) * done
+
+
 def entropy_coefficient(
     coef: float, *, target: float | None, entropy: float, ceiling: float | None = None
 ) -> float:

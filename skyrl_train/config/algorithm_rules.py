@@ -21,8 +21,8 @@ ALGORITHM = "trainer.algorithm"
 
 def check_algorithm_options(cfg: PPOConfig) -> None:
     """Refuse a flat-group option turned on under an estimator without flat groups,
-    ``entropy_target`` or ``entropy_ceiling`` without an entropy bonus to scale, and a
-    ceiling at or below the target."""
+    ``entropy_target``, ``entropy_ceiling`` or ``entropy_loss_coef_end`` without an
+    entropy bonus to act on, and a ceiling at or below the target."""
     alg = cfg.trainer.algorithm
     estimator = alg.advantage_estimator
     if estimator not in FLAT_GROUP_ZERO_ESTIMATORS:
@@ -50,6 +50,13 @@ def check_algorithm_options(cfg: PPOConfig) -> None:
             expected=f"null with {missing} (it scales the entropy bonus's "
             "coefficient, and there is no bonus)",
             got=str(value),
+        )
+    if alg.entropy_loss_coef_end is not None and not alg.use_entropy_loss:
+        raise ConfigValidationError(
+            f"{ALGORITHM}.entropy_loss_coef_end",
+            expected=f"null with {ALGORITHM}.use_entropy_loss false (it schedules the "
+            "entropy bonus's coefficient, and there is no bonus)",
+            got=str(alg.entropy_loss_coef_end),
         )
     target, ceiling = alg.entropy_target, alg.entropy_ceiling
     if target is not None and ceiling is not None and ceiling <= target:

@@ -447,6 +447,10 @@ class AlgorithmConfig:
     """Subtracts ``entropy_loss_coef`` x the token-mean entropy of the policy from the
     loss: a bonus that slows the collapse onto one answer."""
     entropy_loss_coef: float = setting(0.1, ge=0.0)
+    entropy_loss_coef_end: float | None = setting(None, ge=0.0)
+    """Set: the coefficient moves linearly from ``entropy_loss_coef`` at step 1 to this
+    at the run's last step (``trainer.num_steps``), before ``entropy_target`` and
+    ``entropy_ceiling`` scale it; null: constant. Needs ``use_entropy_loss``."""
     entropy_target: float | None = setting(None, gt=0.0)
     """Nats per token. Set: a step whose policy entropy (the old-logprob forward's, over
     the policy's own tokens) is below this trains with the bonus coefficient raised to

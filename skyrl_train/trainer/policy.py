@@ -34,6 +34,7 @@ from skyrl_train.algorithms import (
     kl_penalty,
     logprob_mismatch,
     mean_token_entropy,
+    scheduled_entropy_coef,
 )
 from skyrl_train.algorithms.token_mean import microbatch_denominator
 from skyrl_train.config.schema import PPOConfig
@@ -174,7 +175,7 @@ class PolicyTrainer:
         ref_logprobs = self._reference_pass(update_batch, plan, as_trained.logprobs, metrics)
         if t.algorithm.use_kl_loss:
             update_batch.ref_logprobs = ref_logprobs
-        entropy_coef = self._entropy_coef(*entropy_sums)
+        entropy_coef = self._entropy_coef(*entropy_sums, step=step)
         if t.algorithm.use_entropy_loss:
             metrics.mean("policy/entropy_coef", entropy_coef, 1.0)
         metrics.merge(
@@ -281,14 +282,19 @@ class PolicyTrainer:
             max_tokens_per_microbatch=self.cfg.trainer.max_tokens_per_microbatch,
         )
 
-    def _entropy_coef(self, entropy_sum: float, tokens: float) -> float:
-        """The step's bonus coefficient (``entropy_target``), from the whole step's token
-        mean entropy (this rank's ``entropy_sum`` over ``tokens``, summed over ranks):
-        every rank trains with the same one. Ranks without logprobs (not the last
-        pipeline stage) add (0, 0)."""
-        algo = self.cfg.trainer.algorithm
+    def _entropy_coef(self, entropy_sum: float, tokens: float, *, step: int) -> float:
+        """The step's bonus coefficient: ``entropy_loss_coef`` on its schedule to
+        ``entropy_loss_coef_end``, then scaled by ``entropy_target`` / ``entropy_ceiling``
+        from the whole step's token mean entropy (this rank's ``entropy_sum`` over
+        ``tokens``, summed over ranks): every rank trains with the same one. Ranks
+        without logprobs (not the last pipeline stage) add (0, 0)."""
+        t = self.cfg.trainer
+        algo = t.algorithm
+        coef = scheduled_entropy_coef(
+            algo.entropy_loss_coef, end=algo.entropy_loss_coef_end, step=step, num_steps=t.num_steps
+        )
         if algo.entropy_target is None and algo.entropy_ceiling is None:
-            return algo.entropy_loss_coef
+            return coef
         sums = torch.tensor([entropy_sum, tokens], dtype=torch.float64, device=collective_device())
         if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
             # Ranks holding the same rows (tensor/pipeline/context copies) add them
@@ -296,10 +302,7 @@ class PolicyTrainer:
             torch.distributed.all_reduce(sums)
         mean = float(sums[0] / sums[1]) if float(sums[1]) else 0.0
         return entropy_coefficient(
-            algo.entropy_loss_coef,
-            target=algo.entropy_target,
-            ceiling=algo.entropy_ceiling,
-            entropy=mean,
+            coef, target=algo.entropy_target, ceiling=algo.entropy_ceiling, entropy=mean
         )
 
     def _update(
