@@ -51,10 +51,12 @@ def check_algorithm_options(cfg: PPOConfig) -> None:
             "coefficient, and there is no bonus)",
             got=str(value),
         )
-    if alg.entropy_loss_coef_end is not None and not alg.use_entropy_loss:
+    # The default ends its bonus at 0, which agrees with no bonus at all: only an end
+    # that would raise a bonus the run does not have is refused.
+    if alg.entropy_loss_coef_end and not alg.use_entropy_loss:
         raise ConfigValidationError(
             f"{ALGORITHM}.entropy_loss_coef_end",
-            expected=f"null with {ALGORITHM}.use_entropy_loss false (it schedules the "
+            expected=f"null or 0 with {ALGORITHM}.use_entropy_loss false (it schedules the "
             "entropy bonus's coefficient, and there is no bonus)",
             got=str(alg.entropy_loss_coef_end),
         )

@@ -12,6 +12,7 @@ from skyrl_train.algorithms import (
     contiguous_groups,
     entropy_coefficient,
     mean_token_entropy,
+    scheduled_entropy_coef,
     success_rate,
     token_entropy,
     zero_variance_group_fraction,
@@ -70,3 +71,13 @@ def test_entropy_coefficient_is_zero_at_or_above_the_ceiling() -> None:
     assert entropy_coefficient(0.1, target=None, ceiling=None, entropy=5.4) == 0.1
     # Below both, the target still raises it.
     assert entropy_coefficient(0.1, target=0.5, ceiling=3.0, entropy=0.25) == pytest.approx(0.2)
+
+
+def test_the_bonus_schedule_runs_from_the_first_step_to_the_last() -> None:
+    def at(step: int, end: float | None = 0.0) -> float:
+        return scheduled_entropy_coef(0.1, end=end, step=step, num_steps=5)
+
+    assert [at(s) for s in (1, 2, 3, 4, 5, 9)] == pytest.approx([0.1, 0.075, 0.05, 0.025, 0, 0])
+    assert at(3, end=None) == 0.1  # no end: constant
+    assert at(3, end=0.3) == pytest.approx(0.2)  # it may rise too
+    assert scheduled_entropy_coef(0.1, end=0.0, step=1, num_steps=1) == 0.1  # a one-step run

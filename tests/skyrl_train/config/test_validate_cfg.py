@@ -628,6 +628,23 @@ def test_entropy_target_or_ceiling_without_a_bonus_is_refused(
     validate_cfg(load_config([f"trainer.algorithm.{name}=0.3"]))  # the default bonus
 
 
+def test_a_bonus_schedule_without_a_bonus_is_refused() -> None:
+    err = _refusal(
+        ["trainer.algorithm.entropy_loss_coef_end=0.05", "trainer.algorithm.use_entropy_loss=false"]
+    )
+    assert err.path == "trainer.algorithm.entropy_loss_coef_end" and err.got == "0.05"
+    assert err.expected is not None
+    assert err.expected.startswith("null or 0 with trainer.algorithm.use_entropy_loss false")
+    # The default's end of 0 agrees with no bonus: turning the bonus off is one key.
+    validate_cfg(load_config(["trainer.algorithm.use_entropy_loss=false"]))
+    # A bonus that starts at 0 and rises is a schedule too.
+    validate_cfg(
+        load_config(
+            ["trainer.algorithm.entropy_loss_coef=0", "trainer.algorithm.entropy_loss_coef_end=0.1"]
+        )
+    )
+
+
 @pytest.mark.parametrize("ceiling", ["0.5", "0.3"])
 def test_entropy_ceiling_at_or_below_the_target_is_refused(ceiling: str) -> None:
     err = _refusal(

@@ -248,6 +248,46 @@ def test_kl_and_entropy_terms_join_the_token_mean_loss(tmp_path: Path) -> None:
     assert not torch.allclose(worker.grads[0], bare.grad, atol=1e-4)
 
 
+@pytest.mark.parametrize(
+    ("step", "ceiling", "coef"), [(1, None, 0.1), (3, None, 0.05), (5, None, 0.0), (3, 0.5, 0.0)]
+)
+def test_the_bonus_follows_its_schedule_over_the_run(
+    tmp_path: Path, step: int, ceiling: float | None, coef: float
+) -> None:
+    """``entropy_loss_coef_end``: 0.1 at step 1 to 0 at the run's last step (5), the
+    step's coefficient logged and used; a ceiling then acts on the scheduled value."""
+    cfg = load_config(
+        [
+            f"trainer.run_dir={tmp_path}",
+            "trainer.num_steps=5",
+            f"trainer.train_batch_size={PROMPTS}",
+            f"trainer.policy_mini_batch_size={PROMPTS}",
+            f"generator.n_samples_per_prompt={N_SAMPLES}",
+            "trainer.algorithm.entropy_loss_coef=0.1",
+            "trainer.algorithm.entropy_loss_coef_end=0.0",
+            f"trainer.algorithm.entropy_ceiling={'null' if ceiling is None else ceiling}",
+            "trainer.ref.log_kl=false",
+        ]
+    )
+    generator = torch.Generator().manual_seed(5)
+    old = -torch.rand(ROWS, WIDTH, generator=generator) * 3
+    current = old + torch.randn(ROWS, WIDTH, generator=generator) * 0.3
+    trainer = PolicyTrainer(cfg, checkpoint=str(tmp_path), pad_token_id=0)
+    worker = RegularizedWorker(current, old)
+    trainer.worker = check_stand_in(worker)
+    batch = _batch(generator)
+
+    metrics = trainer.train(batch, step=step)
+
+    assert metrics["policy/entropy_coef"] == pytest.approx(coef)
+    mask, response = batch.loss_mask, batch.response_mask
+    table = current.clone().requires_grad_()
+    logprobs = table * response
+    policy = _whole_batch_ppo_loss(logprobs, old, batch, cfg)
+    (policy - coef * token_mean_entropy(-logprobs, mask)).backward()
+    assert torch.allclose(worker.grads[0], table.grad, atol=1e-6)
+
+
 def test_entropy_loss_without_the_workers_entropy_fails_loudly(tmp_path: Path) -> None:
     cfg = load_config(
         [
