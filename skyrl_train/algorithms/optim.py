@@ -1,8 +1,8 @@
 """The policy's optimizer and learning-rate schedule, for every trainer backend.
 
 ``torch.optim.AdamW`` built from ``trainer.policy.optimizer_config``, its rate warmed
-up linearly over ``num_warmup_steps`` optimizer steps and decayed linearly to ``min_lr``
-over ``lr_decay_steps`` after them (docs/configuration.md, "Warmup, trackers,
+up linearly over ``num_warmup_steps`` optimizer steps, held for ``num_stable_steps`` and
+decayed linearly to ``min_lr`` over ``lr_decay_steps`` after them (docs/configuration.md, "Warmup, trackers,
 stopping"), and the step itself, skipped on a non-finite gradient norm. A
 backend reduces its gradients and computes their global norm its own way (Megatron's
 parallel groups: ``workers/megatron/gradients.py``; FSDP's shards:
@@ -52,9 +52,10 @@ def steps_taken(optimizer: torch.optim.Optimizer) -> int:
 
 def scheduled_lr(config: OptimizerConfig, optimizer: torch.optim.Optimizer) -> float:
     """The learning rate ``optimizer``'s next step uses: ``lr * (n + 1) /
-    num_warmup_steps`` for the step after the n-th during the warm-up; after it, ``lr``
-    falling linearly to ``min_lr`` over ``lr_decay_steps`` steps (``lr`` for good with
-    no decay), then ``min_lr``."""
+    num_warmup_steps`` for the step after the n-th during the warm-up; after it ``lr``
+    for ``num_stable_steps`` steps, then falling linearly to ``min_lr`` over
+    ``lr_decay_steps`` steps (``lr`` for good with no decay), then ``min_lr``: the
+    warm-up, stable, decay shape."""
     if config.lr_decay_steps is None:
         raise ValueError(
             "lr_decay_steps: expected a number of optimizer steps (a null is the run's "
@@ -64,9 +65,10 @@ def scheduled_lr(config: OptimizerConfig, optimizer: torch.optim.Optimizer) -> f
     warmup = config.num_warmup_steps
     if n < warmup:
         return config.lr * (n + 1) / warmup
-    if config.lr_decay_steps <= 0:
+    decaying = n - warmup - config.num_stable_steps
+    if config.lr_decay_steps <= 0 or decaying < 0:
         return config.lr
-    done = min(1.0, (n - warmup) / config.lr_decay_steps)
+    done = min(1.0, decaying / config.lr_decay_steps)
     return config.lr - (config.lr - config.min_lr) * done
 
 

@@ -1,5 +1,6 @@
 """The learning-rate schedule's keys (``trainer.policy.optimizer_config``): the decay's
-length, resolved from the run when it is null, and the floor it falls to.
+length, resolved from the run when it is null (what the warm-up and the stable steps
+leave of it), and the floor it falls to.
 
 A decay given in optimizer steps silently stops fitting the run when ``num_steps`` or
 the mini-batch size changes (the rate reaches its floor halfway through a run twice as
@@ -30,11 +31,12 @@ def run_optimizer_steps(cfg: PPOConfig) -> int:
 
 def run_optimizer_config(cfg: PPOConfig) -> OptimizerConfig:
     """``trainer.policy.optimizer_config`` with a null ``lr_decay_steps`` replaced by the
-    run's optimizer steps after the warm-up (``run_optimizer_steps``; at least 1)."""
+    run's optimizer steps after the warm-up and the stable steps
+    (``run_optimizer_steps``; at least 1)."""
     opt = cfg.trainer.policy.optimizer_config
     if opt.lr_decay_steps is not None:
         return opt
-    steps = max(1, run_optimizer_steps(cfg) - opt.num_warmup_steps)
+    steps = max(1, run_optimizer_steps(cfg) - opt.num_warmup_steps - opt.num_stable_steps)
     return dataclasses.replace(opt, lr_decay_steps=steps)
 
 

@@ -87,6 +87,18 @@ def test_the_decay_falls_linearly_to_min_lr_after_the_warm_up_and_resumes() -> N
     assert rates == pytest.approx(expected, rel=1e-12)
 
 
+def test_stable_steps_hold_the_peak_between_the_warm_up_and_the_decay() -> None:
+    config = OptimizerConfig(lr=LR, num_warmup_steps=1, num_stable_steps=2, lr_decay_steps=2)
+    model = _model()
+    optimizer = build_optimizer(model.parameters(), config)
+    rates = []
+    for _ in range(7):
+        rates.append(scheduled_lr(config, optimizer))
+        _backward(model)
+        optimizer_step(optimizer, lr=rates[-1], grad_norm=1.0)
+    assert rates == pytest.approx([LR, LR, LR, LR, LR / 2, 0.0, 0.0], abs=1e-15)
+
+
 def test_a_non_finite_norm_takes_no_step() -> None:
     config = OptimizerConfig(lr=LR, num_warmup_steps=2)
     model = _model()

@@ -35,6 +35,8 @@ def test_a_null_decay_spans_the_runs_optimizer_steps(overrides: list[str], steps
     assert run_optimizer_config(cfg).lr_decay_steps == steps
     warm = load_config([*overrides, f"{OPT}.lr_decay_steps=null", f"{OPT}.num_warmup_steps=5"])
     assert run_optimizer_config(warm).lr_decay_steps == steps - 5
+    stable = load_config([*overrides, f"{OPT}.lr_decay_steps=null", f"{OPT}.num_stable_steps=7"])
+    assert run_optimizer_config(stable).lr_decay_steps == steps - 7
     # The config itself is left as it was: the resolved copy goes to the workers.
     assert warm.trainer.policy.optimizer_config.lr_decay_steps is None
 

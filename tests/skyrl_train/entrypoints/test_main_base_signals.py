@@ -46,6 +46,7 @@ def test_eight_steps_log_finite_learning_signals(tmp_path: Path) -> None:
             "trainer.algorithm.use_entropy_loss=true",
             "logging.progress_bar=false",
             "ray.num_cpus=2",
+            "trainer.policy.optimizer_config.num_stable_steps=32",
         ]
     )
     updates = cfg.trainer.train_batch_size // cfg.trainer.policy_mini_batch_size
@@ -69,3 +70,13 @@ def test_eight_steps_log_finite_learning_signals(tmp_path: Path) -> None:
         row = rows[step - 1]
         assert math.isfinite(row["eval/reward_mean"]) and math.isfinite(row["eval/success_rate"])
     assert (run_dir / "metrics.png").is_file()
+    # The rate holds for num_stable_steps updates (32 here), then falls linearly to 0
+    # over the rest of the run (lr_decay_steps null, config/lr_schedule.py): each step
+    # logs its last update's rate, so the worker was handed the run's length, not the
+    # config's null. turn_grpo leaves the flat-step guard off, so every update steps.
+    peak, total = cfg.trainer.policy.optimizer_config.lr, 8 * updates
+    assert cfg.trainer.policy.optimizer_config.lr_decay_steps is None
+    assert all(row["train/skipped_optimizer_steps"] == 0 for row in rows)
+    last = [updates * s - 1 for s in range(1, 9)]
+    expected = [peak if k < 32 else peak * (1 - (k - 32) / (total - 32)) for k in last]
+    assert [row["train/lr"] for row in rows] == pytest.approx(expected, rel=1e-6)
