@@ -54,19 +54,17 @@ def scheduled_lr(config: OptimizerConfig, optimizer: torch.optim.Optimizer) -> f
     """The learning rate ``optimizer``'s next step uses: ``lr * (n + 1) /
     num_warmup_steps`` for the step after the n-th during the warm-up; after it ``lr``
     for ``num_stable_steps`` steps, then falling linearly to ``min_lr`` over
-    ``lr_decay_steps`` steps (``lr`` for good with no decay), then ``min_lr``: the
-    warm-up, stable, decay shape."""
-    if config.lr_decay_steps is None:
-        raise ValueError(
-            "lr_decay_steps: expected a number of optimizer steps (a null is the run's "
-            "length, resolved by config.lr_schedule.run_optimizer_config), got None"
-        )
+    ``lr_decay_steps`` steps (``lr`` for good with no decay, or with a null one
+    outside a launch), then ``min_lr``: the warm-up, stable, decay shape."""
     n = steps_taken(optimizer)
     warmup = config.num_warmup_steps
     if n < warmup:
         return config.lr * (n + 1) / warmup
     decaying = n - warmup - config.num_stable_steps
-    if config.lr_decay_steps <= 0 or decaying < 0:
+    # A null decay ends with the run; a launch resolves it to the run's remaining
+    # updates (config/lr_schedule.py). A worker built outside a launch has no run to
+    # end, so its rate stays at lr.
+    if not config.lr_decay_steps or decaying < 0:
         return config.lr
     done = min(1.0, decaying / config.lr_decay_steps)
     return config.lr - (config.lr - config.min_lr) * done

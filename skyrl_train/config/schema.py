@@ -313,13 +313,13 @@ class OptimizerConfig:
     num_warmup_steps: int = setting(0, ge=0)
     """Optimizer steps (every mini-batch and epoch is one) over which the learning rate
     rises linearly to ``lr``; 0 keeps it constant. Resumes with the optimizer state."""
-    num_stable_steps: int = setting(0, ge=0)
+    num_stable_steps: int = setting(800, ge=0)
     """Optimizer steps at ``lr`` between the warm-up and the decay."""
-    lr_decay_steps: int | None = setting(0, ge=0)
+    lr_decay_steps: int | None = setting(None, ge=0)
     """Optimizer steps after the warm-up and the stable steps over which the rate falls
-    linearly from ``lr`` to ``min_lr`` (and stays there); 0 keeps it at ``lr``; null
-    (the default config's): over the rest of the run, however long it is
-    (``config/lr_schedule.py``)."""
+    linearly from ``lr`` to ``min_lr`` (and stays there); 0 keeps it at ``lr``; null:
+    over the rest of the run, however long it is, as a launch works it out
+    (``config/lr_schedule.py``; a worker built outside a launch keeps ``lr``)."""
     min_lr: float = setting(0.0, ge=0.0)
     """Where ``lr_decay_steps`` ends; at most ``lr``."""
 

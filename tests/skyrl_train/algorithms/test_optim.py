@@ -68,7 +68,9 @@ def test_the_warm_up_rises_per_step_and_resumes_from_a_loaded_state() -> None:
 
 
 def test_the_decay_falls_linearly_to_min_lr_after_the_warm_up_and_resumes() -> None:
-    config = OptimizerConfig(lr=LR, num_warmup_steps=2, lr_decay_steps=4, min_lr=LR / 10)
+    config = OptimizerConfig(
+        lr=LR, num_warmup_steps=2, num_stable_steps=0, lr_decay_steps=4, min_lr=LR / 10
+    )
     model = _model()
     optimizer = build_optimizer(model.parameters(), config)
     rates = []
@@ -97,6 +99,9 @@ def test_stable_steps_hold_the_peak_between_the_warm_up_and_the_decay() -> None:
         _backward(model)
         optimizer_step(optimizer, lr=rates[-1], grad_norm=1.0)
     assert rates == pytest.approx([LR, LR, LR, LR, LR / 2, 0.0, 0.0], abs=1e-15)
+    # A null decay outside a launch (no run to end): the rate stays at lr.
+    unresolved = OptimizerConfig(lr=LR, num_stable_steps=0, lr_decay_steps=None)
+    assert scheduled_lr(unresolved, optimizer) == LR
 
 
 def test_a_non_finite_norm_takes_no_step() -> None:

@@ -30,10 +30,11 @@ OPT = "trainer.policy.optimizer_config"
     ],
 )
 def test_a_null_decay_spans_the_runs_optimizer_steps(overrides: list[str], steps: int) -> None:
-    cfg = load_config([*overrides, f"{OPT}.lr_decay_steps=null", f"{OPT}.num_warmup_steps=0"])
+    flat = [f"{OPT}.lr_decay_steps=null", f"{OPT}.num_stable_steps=0"]
+    cfg = load_config([*overrides, *flat, f"{OPT}.num_warmup_steps=0"])
     assert run_optimizer_steps(cfg) == steps
     assert run_optimizer_config(cfg).lr_decay_steps == steps
-    warm = load_config([*overrides, f"{OPT}.lr_decay_steps=null", f"{OPT}.num_warmup_steps=5"])
+    warm = load_config([*overrides, *flat, f"{OPT}.num_warmup_steps=5"])
     assert run_optimizer_config(warm).lr_decay_steps == steps - 5
     stable = load_config([*overrides, f"{OPT}.lr_decay_steps=null", f"{OPT}.num_stable_steps=7"])
     assert run_optimizer_config(stable).lr_decay_steps == steps - 7
