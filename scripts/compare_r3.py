@@ -20,7 +20,9 @@ success rate, and the rollout-vs-trainer mismatch averaged over steps. The PNG p
 each arm's train reward and eval success per step (mean over seeds, min..max shaded).
 Then each seed's final and best greedy eval reward, checked against ``--bar`` (the
 final value) and ``--max-drop`` (final below the seed's own best); the exit status is
-1 when a seed fails, so ``--seeds 5 --arms r3`` is the default recipe's robustness check.
+1 when a seed fails, so ``--seeds 10 --arms r3 --bar 0.8`` is the default recipe's
+robustness check. ``--jobs 3`` runs three at a time, each in its own process: the
+results are the same, a run's wall time is not (time one alone).
 ``--strategy`` picks the trainer backend (``trainer.strategy``; the config's by default),
 so ``--seeds 5 --strategy fsdp`` is the same check on the FSDP backend.
 ``--histories`` keeps every run's metrics as it finishes; ``--resume`` reruns only

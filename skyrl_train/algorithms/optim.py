@@ -2,8 +2,9 @@
 
 ``torch.optim.AdamW`` built from ``trainer.policy.optimizer_config``, its rate warmed
 up linearly over ``num_warmup_steps`` optimizer steps, held for ``num_stable_steps`` and
-decayed linearly to ``min_lr`` over ``lr_decay_steps`` after them (docs/configuration.md, "Warmup, trackers,
-stopping"), and the step itself, skipped on a non-finite gradient norm. A
+decayed linearly to ``min_lr`` over ``lr_decay_steps`` after them (docs/configuration.md,
+"Warmup, trackers, stopping"), and the step itself, skipped on a non-finite gradient
+norm. A
 backend reduces its gradients and computes their global norm its own way (Megatron's
 parallel groups: ``workers/megatron/gradients.py``; FSDP's shards:
 ``workers/fsdp/state.py``), clips them with ``clip_to_norm_`` and then calls

@@ -7,7 +7,8 @@ baseline with nothing else to fall back on leaves at zero advantage
 against the batch and ``reinforce++`` whitens over the batch, so neither has a step for
 them to act on. ``entropy_target`` and ``entropy_ceiling`` scale the entropy bonus's
 coefficient, so they need a bonus (``use_entropy_loss`` with ``entropy_loss_coef`` > 0),
-and a ceiling at or below the target would switch the raised bonus off.
+and a ceiling at or below the target would switch the raised bonus off;
+``entropy_loss_coef_end`` schedules it, so an end above 0 needs ``use_entropy_loss``.
 """
 
 from __future__ import annotations
