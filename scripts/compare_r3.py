@@ -74,39 +74,23 @@ ARMS: dict[str, tuple[str, list[str]]] = {
 }
 # (name in the summary, metric key, label, how a run's history reduces to one number);
 # names are unique: one metric may be reduced twice (final and best eval).
-ROWS = (
-    ("reward/mean", "reward/mean", "train reward, last 5 steps", "last5"),
-    ("eval/reward_mean", "eval/reward_mean", "eval reward (greedy), final", "last"),
-    ("eval/reward_mean_best", "eval/reward_mean", "eval reward (greedy), best", "max"),
-    ("eval/success_rate", "eval/success_rate", "eval success (greedy), final", "last"),
-    ("reward/success_rate", "reward/success_rate", "train success, last 5 steps", "last5"),
-    (
-        "r3/router_agreement_trained",
-        "r3/router_agreement_trained",
-        "router agreement (training forward)",
-        "mean",
-    ),
-    (
-        "mismatch_trained/mean_abs_logp_diff",
-        "mismatch_trained/mean_abs_logp_diff",
-        "mean |Δlogp|",
-        "mean",
-    ),
-    (
-        "mismatch_trained/max_abs_logp_diff",
-        "mismatch_trained/max_abs_logp_diff",
-        "max |Δlogp|",
-        "max",
-    ),
-    ("mismatch_trained/k3_kl", "mismatch_trained/k3_kl", "k3 KL(rollout||trainer)", "mean"),
-    (
-        "mismatch_trained/frac_abs_logp_diff_gt_ln2",
-        "mismatch_trained/frac_abs_logp_diff_gt_ln2",
-        "share |Δlogp| > ln 2",
-        "mean",
-    ),
-    ("policy/entropy", "policy/entropy", "policy entropy, last step", "last"),
-    ("timing/train_s", "timing/train_s", "train time per step [s]", "mean"),
+MT = "mismatch_trained/"
+ROWS = tuple(
+    (name or key, key, label, how)
+    for key, label, how, name in (
+        ("reward/mean", "train reward, last 5 steps", "last5", None),
+        ("eval/reward_mean", "eval reward (greedy), final", "last", None),
+        ("eval/reward_mean", "eval reward (greedy), best", "max", "eval/reward_mean_best"),
+        ("eval/success_rate", "eval success (greedy), final", "last", None),
+        ("reward/success_rate", "train success, last 5 steps", "last5", None),
+        ("r3/router_agreement_trained", "router agreement (training forward)", "mean", None),
+        (MT + "mean_abs_logp_diff", "mean |Δlogp|", "mean", None),
+        (MT + "max_abs_logp_diff", "max |Δlogp|", "max", None),
+        (MT + "k3_kl", "k3 KL(rollout||trainer)", "mean", None),
+        (MT + "frac_abs_logp_diff_gt_ln2", "share |Δlogp| > ln 2", "mean", None),
+        ("policy/entropy", "policy entropy, last step", "last", None),
+        ("timing/train_s", "train time per step [s]", "mean", None),
+    )
 )
 
 
@@ -307,43 +291,14 @@ def main() -> None:
     parser.add_argument("--arms", default=",".join(ARMS))
     parser.add_argument("--png", type=Path, default=Path("compare_r3.png"))
     parser.add_argument("--json", action="store_true")
-    parser.add_argument(
-        "--jobs",
-        type=int,
-        default=1,
-        help="runs at a time, each in its own process (results do not depend on it; "
-        "wall times do, so time a run alone)",
-    )
-    parser.add_argument(
-        "--histories",
-        type=Path,
-        default=None,
-        help="write every run's per-step metrics here (JSON); with --replot, read them",
-    )
-    parser.add_argument("--replot", action="store_true", help="summarise --histories, no runs")
-    parser.add_argument(
-        "--bar",
-        type=float,
-        default=0.5,
-        help="per-seed check: final greedy eval reward at least this (exit 1 otherwise)",
-    )
-    parser.add_argument(
-        "--max-drop",
-        type=float,
-        default=0.1,
-        help="per-seed check: final eval at most this far below the seed's own best",
-    )
-    parser.add_argument(
-        "--strategy",
-        choices=STRATEGIES,
-        default=None,
-        help="the trainer backend (trainer.strategy); default: the config's",
-    )
-    parser.add_argument(
-        "--resume",
-        action="store_true",
-        help="keep the runs already in --histories (same overrides) and run the rest",
-    )
+    add = parser.add_argument
+    add("--jobs", type=int, default=1, help="runs at a time, each its own process")
+    add("--histories", type=Path, default=None, help="every run's metrics (JSON) here")
+    add("--replot", action="store_true", help="summarise --histories, no runs")
+    add("--bar", type=float, default=0.5, help="per seed: final greedy eval at least this")
+    add("--max-drop", type=float, default=0.1, help="per seed: final at most this below best")
+    add("--strategy", choices=STRATEGIES, default=None, help="trainer.strategy; default: config's")
+    add("--resume", action="store_true", help="keep --histories' runs (same overrides)")
     args, overrides = parser.parse_known_args()
     arms = args.arms.split(",")
     unknown = [a for a in arms if a not in ARMS]
