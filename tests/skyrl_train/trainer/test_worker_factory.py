@@ -8,6 +8,7 @@ the workers themselves are tested in tests/skyrl_train/workers/."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -71,7 +72,10 @@ def test_fsdp_builds_the_fsdp_worker_from_the_model_folder(
     assert recorder.built == [built]
     assert built.args == ("/models/tiny", ARCHITECTURE, cfg.trainer.policy.fsdp_config)
     assert built.kwargs == {
-        "optimizer": cfg.trainer.policy.optimizer_config,
+        # The run's schedule: the config's null decay is the run's remaining updates.
+        "optimizer": dataclasses.replace(
+            cfg.trainer.policy.optimizer_config, lr_decay_steps=150 * 8 - 800
+        ),
         "seed": 3,
         "pad_token_id": 7,
         "temperature": 0.7,
