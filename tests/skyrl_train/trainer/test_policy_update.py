@@ -256,20 +256,28 @@ def test_the_bonus_follows_its_schedule_over_the_run(
 ) -> None:
     """``entropy_loss_coef_end``: 0.1 at step 1 to 0 at the run's last step (5), the
     step's coefficient logged and used; a ceiling then acts on the scheduled value."""
+    ceiling_key = f"trainer.algorithm.entropy_ceiling={'null' if ceiling is None else ceiling}"
+    overrides = ["trainer.num_steps=5", "trainer.algorithm.entropy_loss_coef_end=0.0", ceiling_key]
+    _train_with_bonus(tmp_path, overrides, step=step, coef=coef, seed=5)
+
+
+def _train_with_bonus(
+    tmp_path: Path, overrides: list[str], *, step: int, coef: float, seed: int
+) -> dict[str, float]:
+    """One step on the regularized stand-in with a 0.1 bonus and ``overrides``: the
+    logged coefficient is ``coef`` and the gradient is the loss's with it."""
     cfg = load_config(
         [
             f"trainer.run_dir={tmp_path}",
-            "trainer.num_steps=5",
             f"trainer.train_batch_size={PROMPTS}",
             f"trainer.policy_mini_batch_size={PROMPTS}",
             f"generator.n_samples_per_prompt={N_SAMPLES}",
             "trainer.algorithm.entropy_loss_coef=0.1",
-            "trainer.algorithm.entropy_loss_coef_end=0.0",
-            f"trainer.algorithm.entropy_ceiling={'null' if ceiling is None else ceiling}",
             "trainer.ref.log_kl=false",
+            *overrides,
         ]
     )
-    generator = torch.Generator().manual_seed(5)
+    generator = torch.Generator().manual_seed(seed)
     old = -torch.rand(ROWS, WIDTH, generator=generator) * 3
     current = old + torch.randn(ROWS, WIDTH, generator=generator) * 0.3
     trainer = PolicyTrainer(cfg, checkpoint=str(tmp_path), pad_token_id=0)
@@ -277,7 +285,7 @@ def test_the_bonus_follows_its_schedule_over_the_run(
     trainer.worker = check_stand_in(worker)
     batch = _batch(generator)
 
-    metrics = trainer.train(batch, step=step)
+    metrics = dict(trainer.train(batch, step=step))
 
     assert metrics["policy/entropy_coef"] == pytest.approx(coef)
     mask, response = batch.loss_mask, batch.response_mask
@@ -286,6 +294,7 @@ def test_the_bonus_follows_its_schedule_over_the_run(
     policy = _whole_batch_ppo_loss(logprobs, old, batch, cfg)
     (policy - coef * token_mean_entropy(-logprobs, mask)).backward()
     assert torch.allclose(worker.grads[0], table.grad, atol=1e-6)
+    return metrics
 
 
 def test_entropy_loss_without_the_workers_entropy_fails_loudly(tmp_path: Path) -> None:
@@ -327,33 +336,9 @@ def test_entropy_target_and_ceiling_set_the_bonus_of_a_step(
     coefficient by target / 1 (at most ENTROPY_BOOST_CAP = 10), one below it or none
     leaves it alone; a ceiling at or below it switches the bonus off, one above it
     leaves it alone; the gradient is the loss's with that coefficient."""
-    cfg = load_config(
-        [
-            f"trainer.run_dir={tmp_path}",
-            f"trainer.train_batch_size={PROMPTS}",
-            f"trainer.policy_mini_batch_size={PROMPTS}",
-            f"generator.n_samples_per_prompt={N_SAMPLES}",
-            "trainer.algorithm.entropy_loss_coef=0.1",
-            f"trainer.algorithm.entropy_target={'null' if target is None else target}",
-            f"trainer.algorithm.entropy_ceiling={'null' if ceiling is None else ceiling}",
-            "trainer.ref.log_kl=false",
-        ]
-    )
-    generator = torch.Generator().manual_seed(11)
-    old = -torch.rand(ROWS, WIDTH, generator=generator) * 3
-    current = old + torch.randn(ROWS, WIDTH, generator=generator) * 0.3
-    trainer = PolicyTrainer(cfg, checkpoint=str(tmp_path), pad_token_id=0)
-    worker = RegularizedWorker(current, old)
-    trainer.worker = check_stand_in(worker)
-    batch = _batch(generator)
-
-    metrics = trainer.train(batch, step=1)
-
+    overrides = [
+        f"trainer.algorithm.entropy_target={'null' if target is None else target}",
+        f"trainer.algorithm.entropy_ceiling={'null' if ceiling is None else ceiling}",
+    ]
+    metrics = _train_with_bonus(tmp_path, overrides, step=1, coef=coef, seed=11)
     assert metrics["policy/entropy"] == 1.0
-    assert metrics["policy/entropy_coef"] == pytest.approx(coef)
-    mask, response = batch.loss_mask, batch.response_mask
-    table = current.clone().requires_grad_()
-    logprobs = table * response
-    policy = _whole_batch_ppo_loss(logprobs, old, batch, cfg)
-    (policy - coef * token_mean_entropy(-logprobs, mask)).backward()
-    assert torch.allclose(worker.grads[0], table.grad, atol=1e-6)
