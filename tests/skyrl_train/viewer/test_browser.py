@@ -238,11 +238,18 @@ def test_two_runs_overlay(browser: Any, runs: dict[str, Path]) -> None:
     page.close()
 
 
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_the_served_page_works_as_the_file_does(browser: Any, runs: dict[str, Path]) -> None:
     server = subprocess.Popen(
         [sys.executable, "-m", "skyrl_train.entrypoints.view", str(runs["run_b"]), "--serve", "--port", "0"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        # A child inherits an ignored SIGINT (a background shell, or a test before this
+        # one), and Python then leaves Ctrl-C ignored: the server would never stop.
+        preexec_fn=_default_sigint,
     )  # fmt: skip
     try:
         assert server.stdout is not None
