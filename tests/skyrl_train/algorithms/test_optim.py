@@ -32,6 +32,19 @@ def _backward(model: torch.nn.Linear) -> None:
     model(torch.ones(1, 3)).sum().backward()
 
 
+def _take_steps(
+    config: OptimizerConfig, optimizer: torch.optim.Optimizer, model: torch.nn.Linear, n: int
+) -> list[float]:
+    """``n`` optimizer steps at the schedule's rate; the rate of each, as taken."""
+    rates = []
+    for _ in range(n):
+        rates.append(scheduled_lr(config, optimizer))
+        _backward(model)
+        assert optimizer_step(optimizer, lr=rates[-1], grad_norm=1.0)
+        assert optimizer.param_groups[0]["lr"] == rates[-1]
+    return rates
+
+
 def test_adamw_takes_the_configs_settings() -> None:
     config = OptimizerConfig(lr=LR, adam_betas=[0.8, 0.95], weight_decay=0.01)
     optimizer = build_optimizer(_model().parameters(), config)
@@ -49,19 +62,11 @@ def test_the_warm_up_rises_per_step_and_resumes_from_a_loaded_state() -> None:
     config = OptimizerConfig(lr=LR, num_warmup_steps=4)
     model = _model()
     optimizer = build_optimizer(model.parameters(), config)
-    rates = []
-    for _ in range(2):
-        rates.append(scheduled_lr(config, optimizer))
-        _backward(model)
-        assert optimizer_step(optimizer, lr=rates[-1], grad_norm=1.0)
-        assert optimizer.param_groups[0]["lr"] == rates[-1]
+    rates = _take_steps(config, optimizer, model, 2)
     resumed = build_optimizer(model.parameters(), config)
     assert steps_taken(resumed) == 0
     resumed.load_state_dict(optimizer.state_dict())
-    for _ in range(3):
-        rates.append(scheduled_lr(config, resumed))
-        _backward(model)
-        optimizer_step(resumed, lr=rates[-1], grad_norm=1.0)
+    rates += _take_steps(config, resumed, model, 3)
     assert rates == pytest.approx([LR / 4, LR / 2, LR * 3 / 4, LR, LR], rel=1e-12)
     flat = OptimizerConfig(lr=LR, num_warmup_steps=0)
     assert scheduled_lr(flat, build_optimizer(model.parameters(), flat)) == LR
@@ -73,17 +78,10 @@ def test_the_decay_falls_linearly_to_min_lr_after_the_warm_up_and_resumes() -> N
     )
     model = _model()
     optimizer = build_optimizer(model.parameters(), config)
-    rates = []
-    for _ in range(4):
-        rates.append(scheduled_lr(config, optimizer))
-        _backward(model)
-        assert optimizer_step(optimizer, lr=rates[-1], grad_norm=1.0)
+    rates = _take_steps(config, optimizer, model, 4)
     resumed = build_optimizer(model.parameters(), config)
     resumed.load_state_dict(optimizer.state_dict())
-    for _ in range(4):
-        rates.append(scheduled_lr(config, resumed))
-        _backward(model)
-        optimizer_step(resumed, lr=rates[-1], grad_norm=1.0)
+    rates += _take_steps(config, resumed, model, 4)
     step = (LR - LR / 10) / 4
     expected = [LR / 2, LR, LR, LR - step, LR - 2 * step, LR - 3 * step, LR / 10, LR / 10]
     assert rates == pytest.approx(expected, rel=1e-12)
@@ -93,11 +91,7 @@ def test_stable_steps_hold_the_peak_between_the_warm_up_and_the_decay() -> None:
     config = OptimizerConfig(lr=LR, num_warmup_steps=1, num_stable_steps=2, lr_decay_steps=2)
     model = _model()
     optimizer = build_optimizer(model.parameters(), config)
-    rates = []
-    for _ in range(7):
-        rates.append(scheduled_lr(config, optimizer))
-        _backward(model)
-        optimizer_step(optimizer, lr=rates[-1], grad_norm=1.0)
+    rates = _take_steps(config, optimizer, model, 7)
     assert rates == pytest.approx([LR, LR, LR, LR, LR / 2, 0.0, 0.0], abs=1e-15)
     # A null decay outside a launch (no run to end): the rate stays at lr.
     unresolved = OptimizerConfig(lr=LR, num_stable_steps=0, lr_decay_steps=None)
